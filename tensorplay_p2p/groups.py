@@ -1,0 +1,339 @@
+"""Process groups: MPI communicators with global and group rank translation."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any, cast
+
+from mpi4py import MPI
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "barrier",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "group",
+    "group_from_comm",
+    "new_group",
+    "new_subgroups_by_enumeration",
+]
+
+_CREATE_GROUP_TAG = 7321  # Comm.Create_group tag, distinct from 0 so user code cannot collide by accident
+_names = itertools.count(1)
+
+
+class ProcessGroup:
+    """A set of ranks bound to one MPI intracommunicator, with rank translation computed once."""
+
+    __slots__ = (
+        "__weakref__",
+        "_comm",
+        "_destroyed",
+        "_global_of",
+        "_group_of",
+        "_name",
+        "_owns_comm",
+        "_rank",
+        "_size",
+    )
+
+    def __init__(self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False) -> None:
+        self._name = name
+        self._owns_comm = owns_comm
+        self._destroyed = False
+        self._comm: MPI.Intracomm | None = None
+        self._global_of: tuple[int, ...] = ()
+        self._group_of: dict[int, int] = {}
+        self._rank = -1
+        self._size = -1
+        if comm is not None:
+            self._bind(comm)
+
+    def _bind(self, comm: MPI.Intracomm) -> None:
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            ranks = mine.Translate_ranks(None, world)
+        finally:
+            mine.Free()
+            world.Free()
+        if MPI.UNDEFINED in ranks:
+            raise ValueError(f"communicator of group {self._name!r} holds processes outside MPI.COMM_WORLD")
+        self._comm = comm
+        self._global_of = tuple(ranks)
+        self._group_of = {g: i for i, g in enumerate(ranks)}
+        self._rank = comm.Get_rank()
+        self._size = comm.Get_size()
+        self._destroyed = False
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The MPI communicator behind this group, for use with mpi4py directly."""
+        return self._live_comm("comm")
+
+    @property
+    def name(self) -> str:
+        """The group's name, used in error messages."""
+        return self._name
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the members, in group-rank order."""
+        return self._global_of
+
+    @property
+    def is_member(self) -> bool:
+        """Whether the calling process belongs to this group."""
+        return self._comm is not None or self._destroyed
+
+    def rank(self) -> int:
+        """The caller's rank in this group, -1 if it is not a member."""
+        return self._rank
+
+    def size(self) -> int:
+        """Number of processes in this group, -1 if the caller is not a member."""
+        return self._size
+
+    def _live_comm(self, what: str) -> MPI.Intracomm:
+        if self._comm is not None:
+            return self._comm
+        if self._destroyed:
+            raise RuntimeError(
+                f"{what}: process group {self._name!r} has been destroyed"
+                + ("; call init_process_group() to use the world again" if self is GroupMember.WORLD else "")
+            )
+        raise ValueError(
+            f"{what}: this process (global rank {MPI.COMM_WORLD.Get_rank()}) is not a member of group {self._name!r}"
+        )
+
+    def _destroy(self) -> None:
+        if self._comm is not None and self._owns_comm:
+            self._comm.Free()
+        self._comm = None
+        self._destroyed = True
+
+    def describe(self) -> str:
+        """A short description for error messages: name, size and global ranks."""
+        if not self.is_member:
+            return f"group {self._name!r} (this process is not a member)"
+        ranks = self._global_of
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        return f"group {self._name!r} of size {self._size} (global ranks {shown})"
+
+    def __repr__(self) -> str:
+        if not self.is_member:
+            return f"ProcessGroup(name={self._name!r}, member=False)"
+        state = ", destroyed" if self._destroyed else ""
+        return f"ProcessGroup(name={self._name!r}, rank={self._rank}, size={self._size}{state})"
+
+
+class GroupMember:
+    """Sentinels as in torch.distributed: ``WORLD`` and ``NON_GROUP_MEMBER``."""
+
+    WORLD: ProcessGroup = ProcessGroup(MPI.COMM_WORLD, "WORLD")
+    NON_GROUP_MEMBER: ProcessGroup = ProcessGroup(None, "NON_GROUP_MEMBER")
+
+
+class group:  # noqa: N801  (torch.distributed spells it ``group.WORLD``)
+    """Namespace holding ``group.WORLD``, as in torch.distributed."""
+
+    WORLD: ProcessGroup = GroupMember.WORLD
+
+
+_created: list[ProcessGroup] = []
+
+
+def _resolve(pg: ProcessGroup | None) -> ProcessGroup:
+    if pg is None:
+        return GroupMember.WORLD
+    if not isinstance(pg, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, not {type(pg).__name__}")
+    return pg
+
+
+def _index(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """The caller's rank in ``group`` (default: the world), -1 if it is not a member."""
+    pg = _resolve(group)
+    if pg.is_member:
+        pg._live_comm("get_rank")
+    return pg.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """The number of processes in ``group`` (default: the world), -1 if the caller is not a member."""
+    pg = _resolve(group)
+    if pg.is_member:
+        pg._live_comm("get_world_size")
+    return pg.size()
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Block until every member of ``group`` has called it."""
+    _resolve(group)._live_comm("barrier").Barrier()
+
+
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """Translate a global rank into its rank in ``group``; ValueError if it is not a member."""
+    pg = _resolve(group)
+    rank = _index(global_rank, "global_rank")
+    try:
+        return pg._group_of[rank]
+    except KeyError:
+        raise ValueError(f"global rank {rank} is not part of {pg.describe()}") from None
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """Translate a rank in ``group`` into its global rank; ValueError if out of range."""
+    pg = _resolve(group)
+    rank = _index(group_rank, "group_rank")
+    if not 0 <= rank < len(pg._global_of):
+        raise ValueError(f"group rank {rank} is not part of {pg.describe()}")
+    return pg._global_of[rank]
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """Global ranks of the members of ``group``, in group-rank order."""
+    pg = _resolve(group)
+    if not pg.is_member:
+        raise ValueError(f"get_process_group_ranks: {pg.describe()}")
+    return list(pg._global_of)
+
+
+def _check_backend(backend: str | None) -> None:
+    if backend is not None and str(backend).lower() != "mpi":
+        raise ValueError(f"backend {backend!r} is not supported: tensorplay_p2p runs on MPI (backend='mpi')")
+
+
+def _world_ranks(ranks: Iterable[object], what: str) -> list[int]:
+    world_size = MPI.COMM_WORLD.Get_size()
+    members = sorted(_index(r, f"{what} entry") for r in ranks)
+    for r in members:
+        if not 0 <= r < world_size:
+            raise ValueError(f"{what}: rank {r} is out of range for a world of size {world_size}")
+    for a, b in itertools.pairwise(members):
+        if a == b:
+            raise ValueError(f"{what}: rank {a} appears more than once")
+    return members
+
+
+def _register(comm: MPI.Intracomm, name: str) -> ProcessGroup:
+    pg = ProcessGroup(comm, name, owns_comm=True)
+    _created.append(pg)
+    return pg
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: timedelta | float | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+) -> ProcessGroup:
+    """Create a group of the given global ranks (all by default); members get rank order by global rank.
+
+    Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
+    non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
+    """
+    _check_backend(backend)
+    world = GroupMember.WORLD._live_comm("new_group")
+    members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks")
+    name = group_desc or f"group{next(_names)}"
+    if world.Get_rank() not in members:
+        return GroupMember.NON_GROUP_MEMBER
+    world_group = world.Get_group()
+    try:
+        sub = world_group.Incl(members)
+    finally:
+        world_group.Free()
+    try:
+        comm = world.Create_group(sub, _CREATE_GROUP_TAG)
+    finally:
+        sub.Free()
+    return _register(comm, name)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: timedelta | float | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split the world into disjoint groups, one per rank list; collective over every rank.
+
+    Returns ``(the caller's group or None, one entry per list)``; entries for groups the
+    caller is not in are ``GroupMember.NON_GROUP_MEMBER``.
+    """
+    _check_backend(backend)
+    world = GroupMember.WORLD._live_comm("new_subgroups_by_enumeration")
+    if isinstance(ranks_per_subgroup_list, (str, bytes)) or not isinstance(ranks_per_subgroup_list, Sequence):
+        raise TypeError("ranks_per_subgroup_list must be a list of lists of global ranks")
+    if not ranks_per_subgroup_list:
+        raise ValueError("ranks_per_subgroup_list must not be empty")
+    lists = [_world_ranks(r, "new_subgroups_by_enumeration ranks") for r in ranks_per_subgroup_list]
+    owner: dict[int, int] = {}
+    for i, members in enumerate(lists):
+        for r in members:
+            if r in owner:
+                raise ValueError(
+                    f"rank {r} appears in subgroup {owner[r]} and subgroup {i}; subgroups must be disjoint"
+                )
+            owner[r] = i
+    me = world.Get_rank()
+    color = owner.get(me, MPI.UNDEFINED)
+    comm = cast(MPI.Intracomm, world.Split(color, me))
+    base = group_desc or f"group{next(_names)}"
+    if color == MPI.UNDEFINED:
+        return None, [GroupMember.NON_GROUP_MEMBER] * len(lists)
+    mine = _register(comm, f"{base}.{color}")
+    subgroups = [mine if i == color else GroupMember.NON_GROUP_MEMBER for i in range(len(lists))]
+    return mine, subgroups
+
+
+def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGroup:
+    """Wrap an existing mpi4py intracommunicator (not duplicated) as a ProcessGroup."""
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        raise ValueError("group_from_comm: the communicator is MPI.COMM_NULL")
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"group_from_comm needs an mpi4py Intracomm, not {type(comm).__name__}")
+    pg = ProcessGroup(comm, name or comm.Get_name() or f"group{next(_names)}")
+    _created.append(pg)
+    return pg
+
+
+def _destroy_all() -> None:
+    for pg in _created:
+        pg._destroy()
+    _created.clear()
+    GroupMember.WORLD._destroy()
+
+
+def _revive_world() -> None:
+    GroupMember.WORLD._bind(MPI.COMM_WORLD)
+
+
+def _destroy_one(pg: ProcessGroup) -> None:
+    if pg is GroupMember.WORLD:
+        _destroy_all()
+        return
+    pg._destroy()
+    if pg in _created:
+        _created.remove(pg)

@@ -1,0 +1,109 @@
+"""MPI start-up and the default process group's life cycle, as torch.distributed spells it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, cast
+
+from mpi4py import MPI
+
+from . import groups
+from .groups import GroupMember, ProcessGroup
+
+__all__ = [
+    "destroy_process_group",
+    "get_backend",
+    "init_process_group",
+    "is_initialized",
+    "tag_upper_bound",
+]
+
+
+class _State:
+    initialized = False
+    timeout: float | None = None
+
+
+_state = _State()
+
+
+def tag_upper_bound() -> int:
+    """The largest tag the MPI library accepts (MPI_TAG_UB, at least 32767)."""
+    return _TAG_UB
+
+
+_TAG_UB: int = int(cast(int, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
+
+
+def _seconds(timeout: timedelta | float | None, what: str) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"{what} must be seconds (int or float) or a datetime.timedelta, not {type(timeout).__name__}")
+    if not value > 0:
+        raise ValueError(f"{what} must be positive, got {value} s")
+    return value
+
+
+def init_process_group(
+    backend: str | None = "mpi",
+    init_method: str | None = None,
+    timeout: timedelta | float | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Mark the default group initialised; optional, since MPI already knows the world.
+
+    ``init_method`` and ``store`` are accepted and ignored: the MPI launcher does the rendezvous.
+    ``world_size`` and ``rank``, when given, must agree with MPI's.
+    """
+    groups._check_backend(backend)
+    if _state.initialized:
+        raise ValueError("init_process_group was called twice; call destroy_process_group() first")
+    seconds = _seconds(timeout, "timeout")
+    mpi_size, mpi_rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    world_size = groups._index(world_size, "world_size")
+    rank = groups._index(rank, "rank")
+    if world_size not in (-1, mpi_size):
+        raise ValueError(f"init_process_group: world_size={world_size} but MPI was launched with {mpi_size} processes")
+    if rank not in (-1, mpi_rank):
+        raise ValueError(f"init_process_group: rank={rank} but this process is MPI rank {mpi_rank}")
+    if GroupMember.WORLD._comm is None:
+        groups._revive_world()
+    _state.initialized = True
+    _state.timeout = seconds
+
+
+def is_initialized() -> bool:
+    """Whether init_process_group has been called (and not undone by destroy_process_group)."""
+    return _state.initialized
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Free one group, or with no argument every group and the default one."""
+    if group is None or group is GroupMember.WORLD:
+        groups._destroy_all()
+        _state.initialized = False
+        _state.timeout = None
+        return
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return
+    groups._destroy_one(group)
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """Always ``"mpi"``; ValueError for a group the caller is not in."""
+    pg = groups._resolve(group)
+    if not pg.is_member:
+        raise ValueError(f"get_backend: {pg.describe()}")
+    return "mpi"

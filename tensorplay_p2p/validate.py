@@ -1,0 +1,76 @@
+"""Argument checks shared by every operation: group, peer and tag; each error names what is wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+from mpi4py import MPI
+
+from .groups import GroupMember, ProcessGroup, _index
+from .runtime import tag_upper_bound
+
+__all__ = ["check_tag", "member_group", "resolve_peer"]
+
+_TAG_UB = tag_upper_bound()
+ANY_SOURCE: int = MPI.ANY_SOURCE
+
+
+def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
+    """The group to use (WORLD for None), or None after a warning when the caller is not a member."""
+    if group is None:
+        group = GroupMember.WORLD
+    elif not isinstance(group, ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup or None, not {type(group).__name__}")
+    if group._comm is None:
+        if not group.is_member:
+            warnings.warn(
+                f"Running {what} on global rank {MPI.COMM_WORLD.Get_rank()} which does not belong to the given group.",
+                stacklevel=3,
+            )
+            return None
+        group._live_comm(what)
+    return group
+
+
+def check_tag(tag: object, what: str) -> int:
+    """``tag`` as an int in [0, MPI_TAG_UB]; TypeError or ValueError otherwise."""
+    if type(tag) is not int:
+        tag = _index(tag, f"{what}: tag")
+    assert isinstance(tag, int)
+    if not 0 <= tag <= _TAG_UB:
+        raise ValueError(f"{what}: tag {tag} is outside [0, {_TAG_UB}], the range this MPI library accepts")
+    return tag
+
+
+def resolve_peer(
+    pg: ProcessGroup,
+    peer: object,
+    group_peer: object,
+    what: str,
+    names: tuple[str, str],
+    *,
+    optional: bool = False,
+) -> int:
+    """The peer's rank in ``pg`` from exactly one of a global rank and a group rank.
+
+    With ``optional``, neither given means any source (``MPI.ANY_SOURCE``).
+    """
+    global_name, group_name = names
+    if group_peer is None:
+        if peer is None:
+            if optional:
+                return ANY_SOURCE
+            raise ValueError(f"{what}: one of {global_name} and {group_name} must be given")
+        rank = peer if type(peer) is int else _index(peer, f"{what}: {global_name}")
+        assert isinstance(rank, int)
+        found = pg._group_of.get(rank)
+        if found is None:
+            raise ValueError(f"{what}: {global_name}={rank} is not a member of {pg.describe()}")
+        return found
+    if peer is not None:
+        raise ValueError(f"{what}: give either {global_name} or {group_name}, not both")
+    rank = group_peer if type(group_peer) is int else _index(group_peer, f"{what}: {group_name}")
+    assert isinstance(rank, int)
+    if not 0 <= rank < pg._size:
+        raise ValueError(f"{what}: {group_name}={rank} is out of range for {pg.describe()}")
+    return rank

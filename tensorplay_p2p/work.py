@@ -1,0 +1,284 @@
+"""Handles for posted operations: ``Work`` (one request) and ``BatchWork`` (many, completed by one Waitall)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+from mpi4py import MPI
+
+from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
+from .groups import ProcessGroup
+from .runtime import _seconds
+
+__all__ = ["BatchWork", "Work"]
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+_Status = MPI.Status
+_Waitall = MPI.Request.Waitall
+_Testall = MPI.Request.Testall
+_ERR_IN_STATUS = MPI.ERR_IN_STATUS
+_ERR_PENDING = MPI.ERR_PENDING
+_ERR_TRUNCATE = MPI.ERR_TRUNCATE
+_SUCCESS = MPI.SUCCESS
+_ANY_SOURCE = MPI.ANY_SOURCE
+_REQUEST_NULL = MPI.REQUEST_NULL
+
+# Requests whose Work was dropped while MPI could still touch the buffer: kept (with the
+# buffer) until they complete, so MPI never writes into freed memory.
+_orphans: list[tuple[MPI.Request, Any]] = []
+
+
+def reap_orphans() -> None:
+    """Release dropped requests that have completed since."""
+    _orphans[:] = [(req, keep) for req, keep in _orphans if not req.Test()]
+
+
+class Work:
+    """One posted isend or irecv; keeps its tensor alive until it completes."""
+
+    __slots__ = (
+        "_exception",
+        "_group",
+        "_keep",
+        "_nbytes",
+        "_op",
+        "_peer",
+        "_posted",
+        "_request",
+        "_source",
+        "_state",
+        "_tag",
+    )
+
+    def __init__(
+        self, request: MPI.Request, op: str, group: ProcessGroup, peer: int, tag: int, nbytes: int, keep: Any
+    ) -> None:
+        self._request = request
+        self._op = op
+        self._group = group
+        self._peer = peer
+        self._tag = tag
+        self._nbytes = nbytes
+        self._keep = keep
+        self._state = _PENDING
+        self._exception: CommunicationError | None = None
+        self._source = -1
+        self._posted = time.monotonic()
+
+    def __del__(self) -> None:
+        if self._state == _PENDING and self._request:
+            _orphans.append((self._request, self._keep))
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the operation completes; raise its error if it failed. Returns True."""
+        seconds = None if timeout is None else _seconds(timeout, "timeout")
+        if self._state == _PENDING:
+            status = _Status() if self._op == "irecv" else None
+            if seconds is None:
+                try:
+                    self._request.Wait(status)
+                except MPI.Exception as exc:
+                    self._fail(exc.Get_error_code(), status)
+                else:
+                    self._complete(status)
+            else:
+                _poll(self._test, seconds, lambda: [self])
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def _test(self) -> bool:
+        status = _Status() if self._op == "irecv" else None
+        try:
+            done = self._request.Test(status)
+        except MPI.Exception as exc:
+            self._fail(exc.Get_error_code(), status)
+            return True
+        if done:
+            self._complete(status)
+        return done
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (successfully or not), without blocking."""
+        return self._state != _PENDING or self._test()
+
+    def is_success(self) -> bool:
+        """Whether the operation has completed without error."""
+        return self.is_completed() and self._exception is None
+
+    def exception(self) -> CommunicationError | None:
+        """The error the operation failed with, or None."""
+        return self._exception
+
+    def source_rank(self) -> int:
+        """Global rank of the sender of a completed receive."""
+        if self._op != "irecv":
+            raise ValueError("source_rank() is defined for receives only")
+        if self._state == _PENDING:
+            raise ValueError("source_rank() needs a completed receive; call wait() first")
+        return self._source
+
+    def describe(self, now: float | None = None) -> str:
+        """One line naming the op, peers, tag, size, group and (with ``now``) how long it has waited."""
+        pg = self._group
+        if self._peer == _ANY_SOURCE:
+            peer = "any source"
+        else:
+            peer = f"rank {pg._global_of[self._peer]} (group rank {self._peer})"
+        direction = "to" if self._op == "isend" else "from"
+        waited = "" if now is None else f", pending for {now - self._posted:.1f} s"
+        return f"{self._op} {direction} {peer}, tag {self._tag}, {self._nbytes} bytes, group {pg.name!r}{waited}"
+
+    def _complete(self, status: MPI.Status | None) -> None:
+        self._request = _REQUEST_NULL
+        self._keep = None
+        self._state = _DONE
+        if status is None:
+            return
+        source = status.Get_source()
+        self._source = self._group._global_of[source]
+        received = status.Get_count(MPI.BYTE)
+        if received != self._nbytes:
+            self._state = _FAILED
+            self._exception = MessageSizeError(
+                f"irecv from rank {self._source} tag {status.Get_tag()}: expected {self._nbytes} bytes, "
+                f"received {received} bytes",
+                op="irecv",
+                peer=self._source,
+                tag=status.Get_tag(),
+                expected=self._nbytes,
+                received=received,
+            )
+
+    def _fail(self, code: int, status: MPI.Status | None) -> None:
+        self._request = _REQUEST_NULL
+        self._keep = None
+        self._state = _FAILED
+        self._exception = _error(self, code, status)
+
+
+def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationError:
+    text = MPI.Get_error_string(code).strip()
+    peer = work._peer
+    if status is not None and peer == _ANY_SOURCE and status.Get_source() >= 0:
+        peer = status.Get_source()
+    global_peer = work._group._global_of[peer] if peer >= 0 else None
+    who = "any source" if global_peer is None else f"rank {global_peer}"
+    direction = "to" if work._op == "isend" else "from"
+    if MPI.Get_error_class(code) == _ERR_TRUNCATE:
+        return MessageSizeError(
+            f"irecv from {who} tag {work._tag}: expected {work._nbytes} bytes, received a larger message",
+            op=work._op,
+            peer=global_peer,
+            tag=work._tag,
+            expected=work._nbytes,
+            received=None,
+            mpi_error=text,
+        )
+    return CommunicationError(
+        f"{work._op} {direction} {who} tag {work._tag} failed",
+        op=work._op,
+        peer=global_peer,
+        tag=work._tag,
+        mpi_error=text,
+    )
+
+
+def _poll(test: Callable[[], bool], timeout: float | None, pending: Callable[[], list[Work]]) -> None:
+    """Call ``test`` until it reports completion, backing off to 1 ms; raise CommunicationTimeout at the deadline."""
+    start = time.monotonic()
+    deadline = start + (timeout or 0.0)
+    pause = 1e-6
+    while not test():
+        now = time.monotonic()
+        if now >= deadline:
+            lines = tuple(w.describe(now) for w in pending())
+            raise CommunicationTimeout(
+                f"timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
+                f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
+                pending=lines,
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+class BatchWork(list[Work]):
+    """The per-op ``Work`` objects of one batch; ``wait`` completes them all with one ``Waitall``."""
+
+    def __init__(self, works: Iterable[Work] = ()) -> None:
+        super().__init__(works)
+
+    def _pending(self) -> list[Work]:
+        return [w for w in self if w._state == _PENDING]
+
+    def _settle(self, pending: list[Work], statuses: list[MPI.Status], exc: MPI.Exception | None) -> None:
+        if exc is None:
+            for w, st in zip(pending, statuses, strict=True):
+                w._complete(st if w._op == "irecv" else None)
+            return
+        if exc.Get_error_class() != _ERR_IN_STATUS:
+            for w in pending:
+                w._fail(exc.Get_error_code(), None)
+            return
+        for w, st in zip(pending, statuses, strict=True):
+            err = st.Get_error()
+            if err == _SUCCESS:
+                w._complete(st if w._op == "irecv" else None)
+            elif err != _ERR_PENDING:
+                w._fail(err, st)
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
+        seconds = None if timeout is None else _seconds(timeout, "timeout")
+        if seconds is not None:
+            _poll(self._test, seconds, self._pending)
+        else:
+            pending = self._pending()
+            while pending:
+                statuses = [_Status() for _ in pending]
+                try:
+                    _Waitall([w._request for w in pending], statuses)
+                except MPI.Exception as exc:
+                    self._settle(pending, statuses, exc)
+                else:
+                    self._settle(pending, statuses, None)
+                pending = self._pending()
+        self._raise_failures()
+        return True
+
+    def _test(self) -> bool:
+        pending = self._pending()
+        if not pending:
+            return True
+        statuses = [_Status() for _ in pending]
+        try:
+            done = _Testall([w._request for w in pending], statuses)
+        except MPI.Exception as exc:
+            self._settle(pending, statuses, exc)
+            return not self._pending()
+        if done:
+            self._settle(pending, statuses, None)
+        return done
+
+    def is_completed(self) -> bool:
+        """Whether every op has finished, without blocking (one ``Testall``)."""
+        return self._test()
+
+    def is_success(self) -> bool:
+        """Whether every op has completed without error."""
+        return self._test() and all(w._exception is None for w in self)
+
+    def exception(self) -> CommunicationError | None:
+        """The first error among the ops, or None."""
+        return next((w._exception for w in self if w._exception is not None), None)
+
+    def _raise_failures(self) -> None:
+        failed = [w._exception for w in self if w._exception is not None]
+        if not failed:
+            return
+        if len(failed) == 1:
+            raise failed[0]
+        raise CommunicationError(f"{len(failed)} ops of the batch failed:\n  " + "\n  ".join(map(str, failed)))

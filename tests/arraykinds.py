@@ -1,0 +1,141 @@
+"""The tensor kinds every buffer test runs over, described once.
+
+Each kind makes a tensor of its own from numpy values, makes an empty one, and reads one back
+as numpy for checking.  ``bfloat16`` values are carried as float32 in numpy (they round-trip
+exactly for the small integers the tests use).  A kind whose framework is missing is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+DTYPES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype that carries values of ``name`` in the tests."""
+    return np.dtype("float32" if name == "bfloat16" else name)
+
+
+def values(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
+    """Deterministic values of ``dtype`` that every kind represents exactly, distinct per seed."""
+    n = int(np.prod(shape, dtype=np.int64))
+    base = (np.arange(n, dtype=np.int64) * 7 + seed * 13) % 101
+    if dtype == "bool":
+        return ((base % 2) == 1).reshape(shape)
+    if dtype in ("uint8", "int8"):
+        base = base % 100
+    out = base.astype(numpy_dtype(dtype))
+    if dtype.startswith("complex"):
+        out = out + 1j * (base % 5).astype(out.real.dtype)
+    return out.reshape(shape)
+
+
+@dataclass(frozen=True)
+class ArrayKind:
+    """How to make and read back tensors of one kind."""
+
+    name: str
+    module: str | None
+    from_numpy: Callable[[np.ndarray, str], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+    dtypes: tuple[str, ...] = DTYPES
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def available(self) -> bool:
+        return self.module is None or importlib.util.find_spec(self.module) is not None
+
+    def make(self, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+        """A new tensor of this kind holding ``values(shape, dtype, seed)``."""
+        return self.from_numpy(values(shape, dtype, seed), dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A new tensor of this kind filled with a marker value no test sends."""
+        fill = np.full(shape, 0 if dtype == "bool" else 99, dtype=numpy_dtype(dtype))
+        return self.from_numpy(fill, dtype)
+
+
+class DLPackOnly:
+    """A producer that offers nothing but the DLPack protocol (versioned capsules, via numpy)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.array.__dlpack_device__()
+
+
+def _torch_from_numpy(a: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a).copy())
+    return t.to(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def _torch_to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    t = t.detach()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+
+
+def _tensorplay_from_numpy(a: np.ndarray, dtype: str) -> Any:
+    import tensorplay
+
+    t = tensorplay.from_numpy(np.ascontiguousarray(a).copy())
+    return t.to(tensorplay.bfloat16) if dtype == "bfloat16" else t
+
+
+def _tensorplay_to_numpy(t: Any) -> np.ndarray:
+    return np.array(t.numpy(), copy=True)
+
+
+KINDS = (
+    ArrayKind(
+        "numpy",
+        None,
+        lambda a, d: np.array(a, copy=True),
+        lambda t: np.array(t, copy=True),
+        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+    ),
+    ArrayKind(
+        "buffer",
+        None,
+        lambda a, d: memoryview(np.array(a, copy=True)),
+        lambda m: np.array(m, copy=True),
+        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+    ),
+    ArrayKind(
+        "dlpack",
+        None,
+        lambda a, d: DLPackOnly(np.array(a, copy=True)),
+        lambda t: np.array(t.array, copy=True),
+        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+    ),
+    ArrayKind("torch", "torch", _torch_from_numpy, _torch_to_numpy),
+    ArrayKind("tensorplay", "tensorplay", _tensorplay_from_numpy, _tensorplay_to_numpy),
+)
+
+KIND_DTYPES = [(k, d) for k in KINDS for d in k.dtypes]

@@ -1,0 +1,239 @@
+"""Process groups: creation (all ranks or members only), rank translation, P2P inside groups."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+WAIT = 60.0
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def test_world_identity() -> None:
+    world = dist.group.WORLD
+    assert world is dist.GroupMember.WORLD
+    assert dist.get_rank() == dist.get_rank(world) == RANK
+    assert dist.get_world_size() == dist.get_world_size(world) == SIZE
+    assert world.rank() == RANK and world.size() == SIZE
+    assert dist.get_process_group_ranks(world) == list(range(SIZE))
+    for r in range(SIZE):
+        assert dist.get_group_rank(world, r) == r
+        assert dist.get_global_rank(world, r) == r
+    assert dist.get_backend() == "mpi"
+    assert world.comm.Get_size() == SIZE
+    dist.barrier()
+
+
+def test_translation_out_of_range_names_rank_and_group() -> None:
+    with pytest.raises(ValueError, match=rf"global rank {SIZE} is not part of group 'WORLD' of size {SIZE}"):
+        dist.get_group_rank(None, SIZE)
+    with pytest.raises(ValueError, match=r"group rank -1 is not part of group 'WORLD'"):
+        dist.get_global_rank(None, -1)
+    with pytest.raises(TypeError, match="global_rank must be an int"):
+        dist.get_group_rank(None, 0.5)  # type: ignore[arg-type]
+
+
+def _odd_even_ranks() -> tuple[list[int], list[int]]:
+    return [r for r in range(SIZE) if r % 2 == 0], [r for r in range(SIZE) if r % 2 == 1]
+
+
+def test_new_group_called_by_all_ranks() -> None:
+    evens, odds = _odd_even_ranks()
+    g_even = dist.new_group(evens)
+    g_odd = dist.new_group(odds) if odds else dist.GroupMember.NON_GROUP_MEMBER
+    mine, other = (g_even, g_odd) if RANK % 2 == 0 else (g_odd, g_even)
+    members = evens if RANK % 2 == 0 else odds
+    assert other is dist.GroupMember.NON_GROUP_MEMBER
+    assert dist.get_rank(other) == -1 and dist.get_world_size(other) == -1
+    assert dist.get_rank(mine) == members.index(RANK)
+    assert dist.get_world_size(mine) == len(members)
+    assert dist.get_process_group_ranks(mine) == members
+    for group_rank, global_rank in enumerate(members):
+        assert dist.get_global_rank(mine, group_rank) == global_rank
+        assert dist.get_group_rank(mine, global_rank) == group_rank
+    outsider = odds[0] if RANK % 2 == 0 and odds else None
+    if outsider is not None:
+        with pytest.raises(ValueError, match=rf"global rank {outsider} is not part of group"):
+            dist.get_group_rank(mine, outsider)
+    dist.destroy_process_group(mine)
+
+
+def test_new_group_called_by_members_only_and_unsorted() -> None:
+    members = list(range(SIZE - 1, -1, -2))  # descending: group rank order is still by global rank
+    g = dist.new_group(members) if RANK in members else None
+    if g is not None:
+        ordered = sorted(members)
+        assert dist.get_process_group_ranks(g) == ordered
+        assert g.rank() == ordered.index(RANK)
+        n = g.size()
+        me = g.rank()
+        into = np.zeros(2, dtype=np.int64)
+        dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, np.full(2, RANK, dtype=np.int64), group=g, group_peer=(me + 1) % n),
+                dist.P2POp(dist.irecv, into, group=g, group_peer=(me - 1) % n),
+            ]
+        ).wait(timeout=WAIT)
+        assert into[0] == ordered[(me - 1) % n]
+        dist.destroy_process_group(g)
+
+
+def test_p2p_with_global_and_group_ranks_in_subgroup() -> None:
+    """``dst``/``src`` are global ranks, ``group_dst``/``group_src`` ranks within the group."""
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    members = list(range(1, SIZE)) if SIZE > 2 else [0, 1]
+    g = dist.new_group(members)
+    if RANK not in members:
+        assert g is dist.GroupMember.NON_GROUP_MEMBER
+        return
+    me, n = g.rank(), g.size()
+    right_global = members[(me + 1) % n]
+    left_group = (me - 1) % n
+    into_a, into_b = np.zeros(3), np.zeros(3)
+    wa = dist.isend(np.full(3, RANK * 1.0), dst=right_global, group=g, tag=1)
+    wb = dist.isend(np.full(3, RANK * 2.0), group=g, group_dst=(me + 1) % n, tag=2)
+    ra = dist.irecv(into_a, src=members[left_group], group=g, tag=1)
+    rb = dist.irecv(into_b, group=g, group_src=left_group, tag=2)
+    for w in (wa, wb, ra, rb):
+        assert w is not None
+        w.wait(timeout=WAIT)
+    left_global = members[left_group]
+    np.testing.assert_array_equal(into_a, np.full(3, left_global * 1.0))
+    np.testing.assert_array_equal(into_b, np.full(3, left_global * 2.0))
+    assert ra is not None and ra.source_rank() == left_global  # global, not group, rank
+    op = dist.P2POp(dist.isend, into_a, group=g, group_peer=(me + 1) % n)
+    assert op.peer == right_global and op.group_peer == (me + 1) % n
+    op = dist.P2POp(dist.irecv, into_a, peer=left_global, group=g)
+    assert op.peer == left_global and op.group_peer == left_group
+    if n > 1 and 0 not in members:
+        with pytest.raises(ValueError, match=r"dst=0 is not a member of group"):
+            dist.isend(into_a, dst=0, group=g)
+    with pytest.raises(ValueError, match=rf"group_dst={n} is out of range for group .* of size {n}"):
+        dist.isend(into_a, group=g, group_dst=n)
+    dist.destroy_process_group(g)
+
+
+def test_recv_any_source_in_subgroup_returns_global_rank() -> None:
+    if SIZE < 3:
+        pytest.skip("needs three ranks")
+    members = list(range(1, SIZE))
+    g = dist.new_group(members)
+    if RANK in members:
+        if g.rank() == 0:
+            for _ in range(g.size() - 1):
+                into = np.zeros(1, dtype=np.int32)
+                src = dist.recv(into, group=g)
+                assert src == into[0] and src in members[1:]
+        else:
+            dist.send(np.full(1, RANK, dtype=np.int32), group=g, group_dst=0)
+        dist.destroy_process_group(g)
+
+
+def test_non_member_calls_warn_and_return_none() -> None:
+    outsider_group = dist.GroupMember.NON_GROUP_MEMBER
+    buf = np.zeros(2)
+    with pytest.warns(UserWarning, match=f"global rank {RANK} which does not belong to the given group"):
+        assert dist.isend(buf, dst=0, group=outsider_group) is None
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert dist.irecv(buf, src=0, group=outsider_group) is None
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert dist.send(buf, dst=0, group=outsider_group) is None  # type: ignore[func-returns-value]
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert dist.recv(buf, src=0, group=outsider_group) == -1
+    op = dist.P2POp(dist.isend, buf, peer=0, group=outsider_group)
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        work = dist.batch_isend_irecv([op])
+    assert isinstance(work, dist.BatchWork) and len(work) == 0
+    with pytest.raises(ValueError, match="not a member"):
+        _ = outsider_group.comm
+
+
+def test_new_subgroups_by_enumeration_splits_the_world() -> None:
+    halves = [list(range(0, SIZE, 2)), list(range(1, SIZE, 2))] if SIZE > 1 else [[0]]
+    cur, subgroups = dist.new_subgroups_by_enumeration(halves)
+    assert len(subgroups) == len(halves)
+    index = RANK % 2
+    assert cur is subgroups[index]
+    assert cur is not None and dist.get_process_group_ranks(cur) == halves[index]
+    for i, g in enumerate(subgroups):
+        if i != index:
+            assert g is dist.GroupMember.NON_GROUP_MEMBER
+    n, me = cur.size(), cur.rank()
+    into = np.zeros(1)
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, np.full(1, float(RANK)), group=cur, group_peer=(me + 1) % n),
+            dist.P2POp(dist.irecv, into, group=cur, group_peer=(me - 1) % n),
+        ]
+    ).wait(timeout=WAIT)
+    assert into[0] == halves[index][(me - 1) % n]
+    dist.destroy_process_group(cur)
+
+
+def test_new_subgroups_by_enumeration_rejects_overlap_and_leaves_outsiders_out() -> None:
+    with pytest.raises(ValueError, match="rank 0 appears in subgroup 0 and subgroup 1"):
+        dist.new_subgroups_by_enumeration([[0], [0]])
+    cur, subgroups = dist.new_subgroups_by_enumeration([[0]])
+    if RANK == 0:
+        assert cur is not None and cur.size() == 1
+        dist.destroy_process_group(cur)
+    else:
+        assert cur is None and subgroups == [dist.GroupMember.NON_GROUP_MEMBER]
+
+
+def test_new_group_bad_ranks() -> None:
+    with pytest.raises(ValueError, match=rf"rank {SIZE} is out of range for a world of size {SIZE}"):
+        dist.new_group([0, SIZE])
+    with pytest.raises(ValueError, match="rank 0 appears more than once"):
+        dist.new_group([0, 0])
+    with pytest.raises(TypeError, match="must be an int"):
+        dist.new_group(["0"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="backend 'nccl' is not supported"):
+        dist.new_group([0], backend="nccl")
+
+
+def test_group_from_comm_wraps_a_user_communicator() -> None:
+    comm = MPI.COMM_WORLD.Split(RANK % 2, SIZE - RANK)  # reversed key: group rank order differs from global
+    g = dist.group_from_comm(comm, name="mine")
+    expected = sorted((r for r in range(SIZE) if r % 2 == RANK % 2), reverse=True)
+    assert dist.get_process_group_ranks(g) == expected
+    assert g.comm is comm and g.name == "mine"
+    assert dist.get_global_rank(g, g.rank()) == RANK
+    n, me = g.size(), g.rank()
+    into = np.zeros(1)
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, np.full(1, float(RANK)), group=g, group_peer=(me + 1) % n),
+            dist.P2POp(dist.irecv, into, group=g, group_peer=(me - 1) % n),
+        ]
+    ).wait(timeout=WAIT)
+    assert into[0] == expected[(me - 1) % n]
+    dist.destroy_process_group(g)
+    assert comm != MPI.COMM_NULL, "a wrapped user communicator is not freed by destroy_process_group"
+    comm.Free()
+    with pytest.raises(TypeError, match="Intracomm"):
+        dist.group_from_comm("world")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        dist.group_from_comm(MPI.COMM_NULL)
+
+
+def test_destroyed_group_is_refused() -> None:
+    g = dist.new_group(list(range(SIZE)))
+    dist.destroy_process_group(g)
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        dist.isend(np.zeros(1), dst=RANK, group=g)
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        dist.barrier(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="has been destroyed"):
+            dist.P2POp(dist.isend, np.zeros(1), peer=RANK, group=g)

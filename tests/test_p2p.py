@@ -1,0 +1,210 @@
+"""Point-to-point exchanges: values checked on every rank, over every tensor kind and dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from arraykinds import ArrayKind, values
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 60.0  # seconds; a lost message fails the test instead of hanging the suite
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def test_ring_batch_every_kind_and_dtype(kind_dtype: tuple[ArrayKind, str]) -> None:
+    kind, dtype = kind_dtype
+    out = kind.make((3, 4), dtype, seed=RANK)
+    into = kind.empty((3, 4), dtype)
+    work = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)])
+    assert isinstance(work, dist.BatchWork)
+    assert work.wait(timeout=WAIT) is True
+    np.testing.assert_array_equal(kind.to_numpy(into), values((3, 4), dtype, seed=PREV))
+    np.testing.assert_array_equal(kind.to_numpy(out), values((3, 4), dtype, seed=RANK))
+
+
+def test_isend_irecv_every_kind(kind: ArrayKind) -> None:
+    out = kind.make((5,), "float32", seed=RANK)
+    into = kind.empty((5,), "float32")
+    rw = dist.irecv(into, src=PREV, tag=5)
+    sw = dist.isend(out, dst=NEXT, tag=5)
+    assert isinstance(rw, dist.Work) and isinstance(sw, dist.Work)
+    assert sw.wait(timeout=WAIT) is True
+    assert rw.wait(timeout=WAIT) is True
+    assert rw.is_completed() and rw.is_success() and rw.exception() is None
+    assert rw.source_rank() == PREV
+    np.testing.assert_array_equal(kind.to_numpy(into), values((5,), "float32", seed=PREV))
+
+
+def test_zero_size_and_scalar_messages(kind: ArrayKind) -> None:
+    empty_out, empty_in = kind.make((0,), "float64", 0), kind.empty((0,), "float64")
+    scalar_out, scalar_in = kind.make((), "int64", RANK), kind.empty((), "int64")
+    work = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, empty_out, NEXT, tag=1),
+            dist.P2POp(dist.irecv, empty_in, PREV, tag=1),
+            dist.P2POp(dist.isend, scalar_out, NEXT, tag=2),
+            dist.P2POp(dist.irecv, scalar_in, PREV, tag=2),
+        ]
+    )
+    work.wait(timeout=WAIT)
+    assert kind.to_numpy(empty_in).size == 0
+    np.testing.assert_array_equal(kind.to_numpy(scalar_in), values((), "int64", PREV))
+
+
+def test_blocking_send_recv_returns_sender() -> None:
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    into = np.zeros(4, dtype=np.int32)
+    if RANK == 0:
+        for _ in range(SIZE - 1):
+            src = dist.recv(into)  # any source
+            assert 1 <= src < SIZE
+            np.testing.assert_array_equal(into, np.full(4, src, dtype=np.int32))
+    else:
+        dist.send(np.full(4, RANK, dtype=np.int32), dst=0)
+
+
+def test_any_source_irecv_reports_each_sender() -> None:
+    if RANK == 0:
+        got = set()
+        for _ in range(SIZE - 1):
+            into = np.zeros(2, dtype=np.int64)
+            work = dist.irecv(into, tag=9)
+            assert work is not None
+            work.wait(timeout=WAIT)
+            assert into[0] == work.source_rank()
+            got.add(work.source_rank())
+        assert got == set(range(1, SIZE))
+    else:
+        dist.send(np.full(2, RANK, dtype=np.int64), 0, tag=9)
+
+
+def test_self_isend_irecv() -> None:
+    out = np.arange(6, dtype=np.float64) + RANK
+    into = np.zeros(6)
+    work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, into, RANK), dist.P2POp(dist.isend, out, RANK)])
+    work.wait(timeout=WAIT)
+    np.testing.assert_array_equal(into, out)
+
+
+def test_tags_keep_messages_apart() -> None:
+    """Two messages to the same peer with different tags land in the right buffers whatever the posting order."""
+    a_out, b_out = np.full(3, 10 * RANK + 1.0), np.full(3, 10 * RANK + 2.0)
+    a_in, b_in = np.zeros(3), np.zeros(3)
+    work = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.irecv, b_in, PREV, tag=22),
+            dist.P2POp(dist.irecv, a_in, PREV, tag=11),
+            dist.P2POp(dist.isend, a_out, NEXT, tag=11),
+            dist.P2POp(dist.isend, b_out, NEXT, tag=22),
+        ]
+    )
+    work.wait(timeout=WAIT)
+    np.testing.assert_array_equal(a_in, np.full(3, 10 * PREV + 1.0))
+    np.testing.assert_array_equal(b_in, np.full(3, 10 * PREV + 2.0))
+
+
+def test_largest_tag_works() -> None:
+    tag = dist.tag_upper_bound()
+    into = np.zeros(1)
+    dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, np.ones(1), NEXT, tag=tag), dist.P2POp(dist.irecv, into, PREV, tag=tag)]
+    ).wait(timeout=WAIT)
+    assert into[0] == 1.0
+
+
+def test_batchwork_is_a_list_of_work() -> None:
+    into = np.zeros(2)
+    reqs = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, np.full(2, RANK * 1.0), NEXT), dist.P2POp(dist.irecv, into, PREV)]
+    )
+    assert isinstance(reqs, list) and len(reqs) == 2
+    assert all(isinstance(r, dist.Work) for r in reqs)
+    for req in reqs:  # torch-style per-request wait
+        req.wait(timeout=WAIT)
+    assert reqs.is_completed() and reqs.is_success()
+    assert reqs.wait() is True  # waiting again is harmless
+    assert reqs[1].source_rank() == PREV
+    np.testing.assert_array_equal(into, np.full(2, PREV * 1.0))
+
+
+def test_empty_batch() -> None:
+    work = dist.batch_isend_irecv([])
+    assert isinstance(work, dist.BatchWork) and len(work) == 0
+    assert work.wait() is True and work.is_completed()
+
+
+def test_many_ops_one_batch_all_pairs() -> None:
+    """Every rank sends a distinct message to every rank (itself included) in one batch."""
+    outs = [np.full(7, 1000 * RANK + dst, dtype=np.int64) for dst in range(SIZE)]
+    ins = [np.zeros(7, dtype=np.int64) for _ in range(SIZE)]
+    ops = [dist.P2POp(dist.irecv, ins[src], src, tag=3) for src in range(SIZE)]
+    ops += [dist.P2POp(dist.isend, outs[dst], dst, tag=3) for dst in range(SIZE)]
+    dist.batch_isend_irecv(ops).wait(timeout=WAIT)
+    for src in range(SIZE):
+        np.testing.assert_array_equal(ins[src], np.full(7, 1000 * src + RANK, dtype=np.int64))
+
+
+def test_is_completed_polls_until_done() -> None:
+    into = np.zeros(3)
+    work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, into, PREV), dist.P2POp(dist.isend, np.full(3, 2.0), NEXT)])
+    while not work.is_completed():
+        pass
+    assert all(w.is_completed() for w in work)
+    np.testing.assert_array_equal(into, np.full(3, 2.0))
+
+
+def test_pending_work_keeps_tensor_alive_and_releases_it_after() -> None:
+    import gc
+    import weakref
+
+    into = np.zeros(1000)
+    alive = weakref.ref(into)
+    work = dist.irecv(into, src=PREV, tag=41)
+    assert work is not None
+    del into
+    gc.collect()
+    assert alive() is not None, "a pending receive must keep its buffer alive"
+    sent = dist.isend(np.full(1000, float(RANK)), NEXT, tag=41)
+    assert sent is not None
+    work.wait(timeout=WAIT)
+    sent.wait(timeout=WAIT)
+    gc.collect()
+    assert alive() is None, "a completed Work must not hold its buffer"
+
+
+def test_torch_requires_grad_and_parameter() -> None:
+    torch = pytest.importorskip("torch")
+    out = torch.full((4,), float(RANK), requires_grad=True)
+    into = torch.nn.Parameter(torch.zeros(4))
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(timeout=WAIT)
+    assert torch.equal(into.detach(), torch.full((4,), float(PREV)))
+
+
+def test_torch_conjugate_view_is_sent_resolved() -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64) * (RANK + 1)
+    into = torch.zeros(2, dtype=torch.complex64)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, base.conj(), NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(
+        timeout=WAIT
+    )
+    expected = torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64) * (PREV + 1)
+    assert torch.equal(into, expected)
+    with pytest.raises(ValueError, match="conjugate"):
+        dist.irecv(into.conj(), src=PREV)
+
+
+def test_mpi4py_interop_on_world() -> None:
+    """A tensorplay_p2p send is an ordinary MPI message on the group's communicator."""
+    comm = dist.group.WORLD.comm
+    into = np.zeros(3, dtype=np.int32)
+    req = comm.Irecv(into, source=PREV, tag=77)
+    dist.isend(np.full(3, RANK, dtype=np.int32), NEXT, tag=77).wait(timeout=WAIT)  # type: ignore[union-attr]
+    req.Wait()
+    np.testing.assert_array_equal(into, np.full(3, PREV, dtype=np.int32))

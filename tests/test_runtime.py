@@ -1,0 +1,83 @@
+"""init_process_group, is_initialized, destroy_process_group and get_backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state() -> Iterator[None]:
+    """Each test starts uninitialised (world destroyed) and leaves the world initialised for the rest of the suite."""
+    if not dist.is_initialized():
+        dist.init_process_group()
+    dist.destroy_process_group()
+    yield
+    if not dist.is_initialized():
+        dist.init_process_group()
+
+
+def test_init_is_optional_and_checks_world() -> None:
+    dist.init_process_group()
+    assert dist.is_initialized()
+    assert dist.get_backend() == "mpi"
+    assert dist.get_rank() == RANK and dist.get_world_size() == SIZE
+    dist.destroy_process_group()
+    dist.init_process_group(
+        backend="mpi", init_method="env://", timeout=timedelta(seconds=30), world_size=SIZE, rank=RANK
+    )
+    assert dist.is_initialized()
+    with pytest.raises(ValueError, match="called twice"):
+        dist.init_process_group()
+
+
+def test_init_mismatch_names_both_values() -> None:
+    with pytest.raises(ValueError, match=rf"world_size={SIZE + 1} but MPI was launched with {SIZE} processes"):
+        dist.init_process_group(world_size=SIZE + 1)
+    with pytest.raises(ValueError, match=rf"rank={RANK + 1} but this process is MPI rank {RANK}"):
+        dist.init_process_group(rank=RANK + 1)
+    with pytest.raises(ValueError, match="backend 'gloo' is not supported"):
+        dist.init_process_group(backend="gloo")
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        dist.init_process_group(timeout="30")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        dist.init_process_group(timeout=0)
+    assert not dist.is_initialized()
+
+
+def test_use_after_destroy_is_refused_until_init() -> None:
+    dist.init_process_group()
+    g = dist.new_group(list(range(SIZE)))
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    for call in (
+        lambda: dist.isend(np.zeros(1), RANK),
+        lambda: dist.irecv(np.zeros(1), RANK),
+        lambda: dist.barrier(),
+        lambda: dist.get_rank(),
+        lambda: dist.P2POp(dist.isend, np.zeros(1), RANK),
+        lambda: dist.new_group([0]),
+    ):
+        with pytest.raises(RuntimeError, match="'WORLD' has been destroyed; call init_process_group"):
+            call()
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        dist.isend(np.zeros(1), RANK, group=g)
+    dist.init_process_group()
+    into = np.zeros(1)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, np.ones(1), RANK), dist.P2POp(dist.irecv, into, RANK)]).wait(
+        timeout=30
+    )
+    assert into[0] == 1.0
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        dist.isend(np.zeros(1), RANK, group=g)  # subgroups stay destroyed
