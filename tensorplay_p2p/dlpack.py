@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, NamedTuple
 
-__all__ = ["DLDeviceType", "DLTensorView", "export", "view"]
+__all__ = ["HOST_DEVICES", "DLDeviceType", "DLTensorView", "export", "view"]
 
 
 class DLDeviceType:
@@ -20,7 +20,7 @@ class DLDeviceType:
     ONEAPI = 14
 
 
-_HOST_DEVICES = frozenset({DLDeviceType.CPU, DLDeviceType.CUDA_HOST, DLDeviceType.ROCM_HOST})
+HOST_DEVICES = frozenset({DLDeviceType.CPU, DLDeviceType.CUDA_HOST, DLDeviceType.ROCM_HOST})
 
 # DLDataTypeCode → name stem; names follow numpy/torch spelling ("float32", "bfloat16", "bool").
 _DTYPE_STEMS = {0: "int", 1: "uint", 2: "float", 3: "opaque", 4: "bfloat", 5: "complex", 6: "bool"}
@@ -86,7 +86,7 @@ class DLTensorView(NamedTuple):
     @property
     def on_host(self) -> bool:
         """Whether the memory is host memory that MPI can read directly."""
-        return self.device_type in _HOST_DEVICES
+        return self.device_type in HOST_DEVICES
 
 
 def export(obj: Any, stream: int | None = None) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CommunicationError", "CommunicationTimeout", "MessageSizeError"]
+__all__ = ["CommunicationError", "CommunicationTimeout", "MessageMismatchError", "MessageSizeError"]
 
 
 class CommunicationError(RuntimeError):
@@ -41,6 +41,10 @@ class MessageSizeError(CommunicationError):
         super().__init__(message, op=op, peer=peer, tag=tag, mpi_error=mpi_error)
         self.expected = expected
         self.received = received
+
+
+class MessageMismatchError(CommunicationError):
+    """Checked mode: the message's dtype or shape differs from the receiving tensor's."""
 
 
 class CommunicationTimeout(CommunicationError, TimeoutError):  # noqa: N818 (torch-style name)

@@ -10,42 +10,70 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers
+from . import buffers, checked
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
+from .runtime import _state
 from .validate import check_tag, member_group, resolve_peer
-from .work import _FAILED, BatchWork, Work, _orphans, reap_orphans
+from .work import BatchWork, Work, _orphans, reap_orphans
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 _SEND_NAMES = ("dst", "group_dst")
 _RECV_NAMES = ("src", "group_src")
 _PEER_NAMES = ("peer", "group_peer")
-_ANY_SOURCE = MPI.ANY_SOURCE
+_REQUEST_NULL = MPI.REQUEST_NULL
 
 
-def _post_send(pg: ProcessGroup, tensor: Any, peer: int, tag: int, what: str) -> Work:
-    spec, nbytes, keep = buffers.resolve(tensor, False, what)
-    if _orphans:
-        reap_orphans()
+def _prepare(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> tuple[Work, list[Any]]:
+    """Resolve the buffer into an unposted Work and its MPI spec."""
+    spec, nbytes, keep, after = buffers.resolve(tensor, op == "irecv", what)
+    return Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, after), spec
+
+
+def _add_header(work: Work, spec: list[Any], tensor: Any) -> list[Any]:
+    """Checked mode: the same message with the dtype-and-shape header in front."""
+    spec, work._nbytes, work._keep, work._after = checked.wrap(
+        (spec, work._nbytes, work._keep, work._after), tensor, work._op == "isend"
+    )
+    return spec
+
+
+def _post(comm: MPI.Intracomm, work: Work, spec: list[Any]) -> None:
+    if work._op == "isend":
+        work._request = comm.Isend(spec, work._peer, work._tag)
+    else:
+        work._request = comm.Irecv(spec, work._peer, work._tag)
+
+
+def _posting_error(work: Work, what: str, exc: MPI.Exception) -> CommunicationError:
+    peer = "any source" if work._peer == MPI.ANY_SOURCE else f"rank {work._group._global_of[work._peer]}"
+    direction = "to" if work._op == "isend" else "from"
+    return CommunicationError(
+        f"{what}: posting {work._op} {direction} {peer} tag {work._tag} failed",
+        op=work._op,
+        peer=None if work._peer == MPI.ANY_SOURCE else work._group._global_of[work._peer],
+        tag=work._tag,
+        mpi_error=exc.Get_error_string().strip(),
+    )
+
+
+def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> Work:
+    work, spec = _prepare(pg, op, tensor, peer, tag, what)
     try:
-        request = pg._comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
+        if _state.checked:
+            spec = _add_header(work, spec, tensor)
+        if _orphans:
+            reap_orphans()
+        _post(pg._comm, work, spec)  # type: ignore[arg-type]
     except MPI.Exception as exc:
-        raise CommunicationError(f"{what}: posting the send failed", op="isend", tag=tag, mpi_error=str(exc)) from exc
-    return Work(request, "isend", pg, peer, tag, nbytes, keep)
-
-
-def _post_recv(pg: ProcessGroup, tensor: Any, peer: int, tag: int, what: str) -> Work:
-    spec, nbytes, keep = buffers.resolve(tensor, True, what)
-    if _orphans:
-        reap_orphans()
-    try:
-        request = pg._comm.Irecv(spec, peer, tag)  # type: ignore[union-attr]
-    except MPI.Exception as exc:
-        raise CommunicationError(
-            f"{what}: posting the receive failed", op="irecv", tag=tag, mpi_error=str(exc)
-        ) from exc
-    return Work(request, "irecv", pg, peer, tag, nbytes, keep)
+        error = _posting_error(work, what, exc)
+        work._settle(error)
+        raise error from exc
+    except BaseException:
+        work._settle(CommunicationError(f"{what}: not posted"))
+        raise
+    return work
 
 
 def isend(
@@ -56,7 +84,7 @@ def isend(
     if pg is None:
         return None
     peer = resolve_peer(pg, dst, group_dst, "isend", _SEND_NAMES)
-    return _post_send(pg, tensor, peer, check_tag(tag, "isend"), "isend")
+    return _post_one(pg, "isend", tensor, peer, check_tag(tag, "isend"), "isend")
 
 
 def irecv(
@@ -67,7 +95,7 @@ def irecv(
     if pg is None:
         return None
     peer = resolve_peer(pg, src, group_src, "irecv", _RECV_NAMES, optional=True)
-    return _post_recv(pg, tensor, peer, check_tag(tag, "irecv"), "irecv")
+    return _post_one(pg, "irecv", tensor, peer, check_tag(tag, "irecv"), "irecv")
 
 
 def send(
@@ -80,7 +108,7 @@ def send(
     peer = resolve_peer(pg, dst, group_dst, "send", _SEND_NAMES)
     if peer == pg._rank:
         raise ValueError("send: the destination rank must not be the rank of the calling process (it would deadlock)")
-    _post_send(pg, tensor, peer, check_tag(tag, "send"), "send").wait()
+    _post_one(pg, "isend", tensor, peer, check_tag(tag, "send"), "send").wait()
 
 
 def recv(
@@ -93,15 +121,21 @@ def recv(
     peer = resolve_peer(pg, src, group_src, "recv", _RECV_NAMES, optional=True)
     if peer == pg._rank:
         raise ValueError("recv: the source rank must not be the rank of the calling process (it would deadlock)")
-    work = _post_recv(pg, tensor, peer, check_tag(tag, "recv"), "recv")
+    work = _post_one(pg, "irecv", tensor, peer, check_tag(tag, "recv"), "recv")
     work.wait()
     return work._source
 
 
 class P2POp:
-    """One point-to-point operation for ``batch_isend_irecv``; peers are resolved at construction."""
+    """One point-to-point operation for ``batch_isend_irecv``; checked and resolved at construction, then immutable."""
 
     __slots__ = ("group", "group_peer", "op", "peer", "tag", "tensor")
+    group: ProcessGroup | None
+    group_peer: int
+    op: Callable[..., Any]
+    peer: int
+    tag: int
+    tensor: Any
 
     def __init__(
         self,
@@ -121,21 +155,26 @@ class P2POp:
         if group is not None and not isinstance(group, ProcessGroup):
             raise TypeError(f"{what}: group must be a ProcessGroup or None, not {type(group).__name__}")
         pg = GroupMember.WORLD if group is None else group
-        self.op = op
-        self.tensor = tensor
-        self.group = group
-        self.tag = check_tag(tag, what)
-        if not pg.is_member:
+        tag = check_tag(tag, what)
+        if pg.is_member:
+            pg._live_comm(what)
+            rank = resolve_peer(pg, peer, group_peer, what, _PEER_NAMES)
+            global_rank = pg._global_of[rank]
+        else:  # no translation without membership; the batch will warn and post nothing
             if (peer is None) == (group_peer is None):
                 raise ValueError(f"{what}: give exactly one of peer and group_peer")
-            # No translation is possible without membership; the batch will warn and post nothing.
-            self.peer = -1 if peer is None else peer
-            self.group_peer = -1 if group_peer is None else group_peer
-            return
-        pg._live_comm(what)
-        rank = resolve_peer(pg, peer, group_peer, what, _PEER_NAMES)
-        self.group_peer = rank
-        self.peer = pg._global_of[rank]
+            global_rank = -1 if peer is None else peer
+            rank = -1 if group_peer is None else group_peer
+        init = object.__setattr__
+        init(self, "op", op)
+        init(self, "tensor", tensor)
+        init(self, "group", group)
+        init(self, "tag", tag)
+        init(self, "peer", global_rank)
+        init(self, "group_peer", rank)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"P2POp is immutable (it was checked when built); make a new P2POp to change {name!r}")
 
     def __repr__(self) -> str:
         return (
@@ -161,39 +200,53 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
     pg = member_group(first.group, "batch_isend_irecv")
     if pg is None:
         return BatchWork()
-    resolved = [
-        buffers.resolve(p2p.tensor, p2p.op is irecv, f"batch_isend_irecv item {i} ({p2p.op.__name__})")
-        for i, p2p in enumerate(p2p_op_list)
-    ]
+    prepared: list[tuple[Work, list[Any]]] = []
+    try:
+        for i, p2p in enumerate(p2p_op_list):
+            op = "isend" if p2p.op is isend else "irecv"
+            prepared.append(_prepare(pg, op, p2p.tensor, p2p.group_peer, p2p.tag, f"batch_isend_irecv item {i} ({op})"))
+        if len(prepared) > 1:
+            buffers.check_disjoint([(w._op == "irecv", spec) for w, spec in prepared], "batch_isend_irecv")
+        if _state.checked:
+            prepared = [
+                (w, _add_header(w, spec, p2p.tensor)) for (w, spec), p2p in zip(prepared, p2p_op_list, strict=True)
+            ]
+    except BaseException:
+        for work, _ in prepared:  # release staging buffers and datatypes; nothing was posted
+            work._settle(CommunicationError("not posted: an op of the batch was rejected"))
+        raise
     if _orphans:
         reap_orphans()
     comm = pg._comm
     assert comm is not None
-    works: list[Work] = []
+    posted = 0
     try:
-        for p2p, (spec, nbytes, keep) in zip(p2p_op_list, resolved, strict=True):
-            if p2p.op is isend:
-                works.append(
-                    Work(comm.Isend(spec, p2p.group_peer, p2p.tag), "isend", pg, p2p.group_peer, p2p.tag, nbytes, keep)
-                )
-            else:
-                works.append(
-                    Work(comm.Irecv(spec, p2p.group_peer, p2p.tag), "irecv", pg, p2p.group_peer, p2p.tag, nbytes, keep)
-                )
+        for work, spec in prepared:
+            _post(comm, work, spec)
+            posted += 1
     except MPI.Exception as exc:
-        _withdraw(works)
-        raise CommunicationError(
-            f"batch_isend_irecv: posting item {len(works)} failed; the {len(works)} ops already posted were cancelled",
-            mpi_error=str(exc),
-        ) from exc
-    return BatchWork(works)
+        works = [work for work, _ in prepared]
+        stranded = _withdraw(works, posted)
+        what = f"batch_isend_irecv item {posted}"
+        if stranded:
+            what += f" ({stranded} send(s) posted before it could not be withdrawn and may still be delivered)"
+        raise _posting_error(works[posted], what, exc) from exc
+    return BatchWork(work for work, _ in prepared)
 
 
-def _withdraw(works: list[Work]) -> None:
-    """Cancel the receives a failed batch posted; its sends stay tracked, with their buffers, until they complete."""
-    for w in works:
-        if w._op == "irecv" and w._request:
-            w._request.Cancel()
-            w._request.Wait()
-            w._request = MPI.REQUEST_NULL
-            w._state = _FAILED
+def _withdraw(works: list[Work], posted: int) -> int:
+    """After a failed post: cancel the posted receives and settle the rest; returns the sends left in flight."""
+    stranded = 0
+    for i, work in enumerate(works):
+        if i < posted and work._op == "isend":
+            stranded += 1  # cancelling sends is deprecated in MPI 4; it stays tracked until it completes
+            continue
+        if i < posted:
+            work._request.Cancel()
+            status = MPI.Status()
+            work._request.Wait(status)
+            if not status.Is_cancelled():
+                work._complete(status)  # it had already matched: the data arrived, keep the outcome
+                continue
+        work._settle(CommunicationError("not posted: posting another op of the batch failed"))
+    return stranded

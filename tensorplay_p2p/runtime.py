@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ from . import groups
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
+    "checked_mode",
     "destroy_process_group",
     "get_backend",
     "init_process_group",
@@ -19,9 +21,22 @@ __all__ = [
 ]
 
 
+ENV_CHECK = "TENSORPLAY_P2P_CHECK"
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 0 or 1, not {value!r}")
+
+
 class _State:
     initialized = False
     timeout: float | None = None
+    checked: bool = _env_flag(ENV_CHECK)
 
 
 _state = _State()
@@ -59,11 +74,14 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
+    check: bool | None = None,
 ) -> None:
     """Mark the default group initialised; optional, since MPI already knows the world.
 
     ``init_method`` and ``store`` are accepted and ignored: the MPI launcher does the rendezvous.
-    ``world_size`` and ``rank``, when given, must agree with MPI's.
+    ``world_size`` and ``rank``, when given, must agree with MPI's.  ``check`` turns checked
+    mode on or off (default: the ``TENSORPLAY_P2P_CHECK`` environment variable); every rank
+    must use the same mode.
     """
     groups._check_backend(backend)
     if _state.initialized:
@@ -80,6 +98,13 @@ def init_process_group(
         groups._revive_world()
     _state.initialized = True
     _state.timeout = seconds
+    if check is not None:
+        _state.checked = bool(check)
+
+
+def checked_mode() -> bool:
+    """Whether checked mode (dtype and shape verified on every message) is on."""
+    return _state.checked
 
 
 def is_initialized() -> bool:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
 from mpi4py import MPI
 
+from .buffers import After
 from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
 from .groups import ProcessGroup
 from .runtime import _seconds
@@ -32,14 +35,26 @@ _orphans: list[tuple[MPI.Request, Any]] = []
 
 
 def reap_orphans() -> None:
-    """Release dropped requests that have completed since."""
-    _orphans[:] = [(req, keep) for req, keep in _orphans if not req.Test()]
+    """Release dropped requests that have completed since; a dropped request that failed is reported as a warning."""
+    alive = []
+    for request, keep in _orphans:
+        try:
+            if not request.Test():
+                alive.append((request, keep))
+        except MPI.Exception as exc:
+            warnings.warn(
+                f"an operation whose Work was dropped without wait() failed: {exc.Get_error_string().strip()}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    _orphans[:] = alive
 
 
 class Work:
     """One posted isend or irecv; keeps its tensor alive until it completes."""
 
     __slots__ = (
+        "_after",
         "_exception",
         "_group",
         "_keep",
@@ -54,7 +69,15 @@ class Work:
     )
 
     def __init__(
-        self, request: MPI.Request, op: str, group: ProcessGroup, peer: int, tag: int, nbytes: int, keep: Any
+        self,
+        request: MPI.Request,
+        op: str,
+        group: ProcessGroup,
+        peer: int,
+        tag: int,
+        nbytes: int,
+        keep: Any,
+        after: After | None = None,
     ) -> None:
         self._request = request
         self._op = op
@@ -63,6 +86,7 @@ class Work:
         self._tag = tag
         self._nbytes = nbytes
         self._keep = keep
+        self._after = after
         self._state = _PENDING
         self._exception: CommunicationError | None = None
         self._source = -1
@@ -85,7 +109,7 @@ class Work:
                 else:
                     self._complete(status)
             else:
-                _poll(self._test, seconds, lambda: [self])
+                _poll(self._test, seconds, lambda: [] if self._test() else [self])
         if self._exception is not None:
             raise self._exception
         return True
@@ -133,39 +157,44 @@ class Work:
         return f"{self._op} {direction} {peer}, tag {self._tag}, {self._nbytes} bytes, group {pg.name!r}{waited}"
 
     def _complete(self, status: MPI.Status | None) -> None:
-        self._request = _REQUEST_NULL
-        self._keep = None
-        self._state = _DONE
-        if status is None:
-            return
-        source = status.Get_source()
-        self._source = self._group._global_of[source]
-        received = status.Get_count(MPI.BYTE)
-        if received != self._nbytes:
-            self._state = _FAILED
-            self._exception = MessageSizeError(
-                f"irecv from rank {self._source} tag {status.Get_tag()}: expected {self._nbytes} bytes, "
-                f"received {received} bytes",
-                op="irecv",
-                peer=self._source,
-                tag=status.Get_tag(),
-                expected=self._nbytes,
-                received=received,
-            )
+        error: CommunicationError | None = None
+        if status is not None:
+            self._source = self._group._global_of[status.Get_source()]
+            received = status.Get_count(MPI.BYTE)
+            if received != self._nbytes:
+                error = MessageSizeError(
+                    f"irecv from rank {self._source} tag {status.Get_tag()}: expected {self._nbytes} bytes, "
+                    f"received {received} bytes",
+                    op="irecv",
+                    peer=self._source,
+                    tag=status.Get_tag(),
+                    expected=self._nbytes,
+                    received=received,
+                )
+        self._settle(error)
 
     def _fail(self, code: int, status: MPI.Status | None) -> None:
+        if status is not None and self._peer == _ANY_SOURCE and status.Get_source() >= 0:
+            self._source = self._group._global_of[status.Get_source()]
+        self._settle(_error(self, code, status))
+
+    def _settle(self, error: CommunicationError | None) -> None:
+        """Finish the Work: run its after-hook (copy-back, checks), release the buffer, record the outcome."""
         self._request = _REQUEST_NULL
+        after, self._after = self._after, None
+        if after is not None:
+            error = after(self, error)
         self._keep = None
-        self._state = _FAILED
-        self._exception = _error(self, code, status)
+        self._exception = error
+        self._state = _DONE if error is None else _FAILED
 
 
 def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationError:
     text = MPI.Get_error_string(code).strip()
-    peer = work._peer
-    if status is not None and peer == _ANY_SOURCE and status.Get_source() >= 0:
-        peer = status.Get_source()
-    global_peer = work._group._global_of[peer] if peer >= 0 else None
+    if work._source >= 0:
+        global_peer: int | None = work._source
+    else:
+        global_peer = None if work._peer == _ANY_SOURCE else work._group._global_of[work._peer]
     who = "any source" if global_peer is None else f"rank {global_peer}"
     direction = "to" if work._op == "isend" else "from"
     if MPI.Get_error_class(code) == _ERR_TRUNCATE:
@@ -176,7 +205,6 @@ def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationErr
             tag=work._tag,
             expected=work._nbytes,
             received=None,
-            mpi_error=text,
         )
     return CommunicationError(
         f"{work._op} {direction} {who} tag {work._tag} failed",
@@ -187,15 +215,19 @@ def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationErr
     )
 
 
-def _poll(test: Callable[[], bool], timeout: float | None, pending: Callable[[], list[Work]]) -> None:
-    """Call ``test`` until it reports completion, backing off to 1 ms; raise CommunicationTimeout at the deadline."""
-    start = time.monotonic()
-    deadline = start + (timeout or 0.0)
+def _poll(test: Callable[[], bool], timeout: float, pending: Callable[[], list[Work]]) -> None:
+    """Call ``test`` until it reports completion, backing off to 1 ms; raise CommunicationTimeout at the deadline.
+
+    ``pending`` lists the works still unfinished, each tested on its own so that the report is exact.
+    """
+    deadline = time.monotonic() + timeout
     pause = 1e-6
     while not test():
         now = time.monotonic()
         if now >= deadline:
             lines = tuple(w.describe(now) for w in pending())
+            if not lines:
+                return
             raise CommunicationTimeout(
                 f"timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
                 f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
@@ -214,27 +246,34 @@ class BatchWork(list[Work]):
     def _pending(self) -> list[Work]:
         return [w for w in self if w._state == _PENDING]
 
+    def _still_pending(self) -> list[Work]:
+        return [w for w in self if w._state == _PENDING and not w._test()]
+
     def _settle(self, pending: list[Work], statuses: list[MPI.Status], exc: MPI.Exception | None) -> None:
         if exc is None:
             for w, st in zip(pending, statuses, strict=True):
                 w._complete(st if w._op == "irecv" else None)
             return
         if exc.Get_error_class() != _ERR_IN_STATUS:
-            for w in pending:
-                w._fail(exc.Get_error_code(), None)
-            return
+            # MPI did not say which request failed: keep every request (and its buffer) as it is.
+            raise CommunicationError(
+                f"completing {len(pending)} op(s) failed", mpi_error=exc.Get_error_string().strip()
+            ) from exc
         for w, st in zip(pending, statuses, strict=True):
             err = st.Get_error()
             if err == _SUCCESS:
                 w._complete(st if w._op == "irecv" else None)
             elif err != _ERR_PENDING:
+                if w._request:  # some libraries leave a failed request allocated
+                    with contextlib.suppress(MPI.Exception):
+                        w._request.Free()
                 w._fail(err, st)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
         seconds = None if timeout is None else _seconds(timeout, "timeout")
         if seconds is not None:
-            _poll(self._test, seconds, self._pending)
+            _poll(self._test, seconds, self._still_pending)
         else:
             pending = self._pending()
             while pending:

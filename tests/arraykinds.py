@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,8 +57,9 @@ class ArrayKind:
     module: str | None
     from_numpy: Callable[[np.ndarray, str], Any]
     to_numpy: Callable[[Any], np.ndarray]
+    view_of: Callable[[Any, tuple[Any, ...], tuple[int, ...] | None], Any]
     dtypes: tuple[str, ...] = DTYPES
-    extra: dict[str, Any] = field(default_factory=dict)
+    negative_strides: bool = False
 
     @property
     def available(self) -> bool:
@@ -67,6 +68,10 @@ class ArrayKind:
     def make(self, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
         """A new tensor of this kind holding ``values(shape, dtype, seed)``."""
         return self.from_numpy(values(shape, dtype, seed), dtype)
+
+    def view(self, t: Any, index: tuple[Any, ...], perm: tuple[int, ...] | None = None) -> Any:
+        """``t[index]``, then its axes permuted by ``perm``: a strided view sharing ``t``'s memory."""
+        return self.view_of(t, index, perm)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A new tensor of this kind filled with a marker value no test sends."""
@@ -85,6 +90,16 @@ class DLPackOnly:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self.array.__dlpack_device__()
+
+
+def _numpy_view(a: np.ndarray, index: tuple[Any, ...], perm: tuple[int, ...] | None) -> np.ndarray:
+    v = a[index]
+    return v if perm is None else v.transpose(perm)
+
+
+def _framework_view(t: Any, index: tuple[Any, ...], perm: tuple[int, ...] | None) -> Any:
+    v = t[index] if index else t
+    return v if perm is None else v.permute(*perm)
 
 
 def _torch_from_numpy(a: np.ndarray, dtype: str) -> Any:
@@ -112,30 +127,37 @@ def _tensorplay_to_numpy(t: Any) -> np.ndarray:
     return np.array(t.numpy(), copy=True)
 
 
+_NO_BF16 = tuple(d for d in DTYPES if d != "bfloat16")
+
 KINDS = (
     ArrayKind(
         "numpy",
         None,
         lambda a, d: np.array(a, copy=True),
         lambda t: np.array(t, copy=True),
-        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+        _numpy_view,
+        dtypes=_NO_BF16,
+        negative_strides=True,
     ),
     ArrayKind(
         "buffer",
         None,
         lambda a, d: memoryview(np.array(a, copy=True)),
         lambda m: np.array(m, copy=True),
-        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+        lambda m, i, p: memoryview(_numpy_view(np.asarray(m), i, p)),
+        dtypes=_NO_BF16,
+        negative_strides=True,
     ),
     ArrayKind(
         "dlpack",
         None,
         lambda a, d: DLPackOnly(np.array(a, copy=True)),
         lambda t: np.array(t.array, copy=True),
-        dtypes=tuple(d for d in DTYPES if d != "bfloat16"),
+        lambda t, i, p: DLPackOnly(_numpy_view(t.array, i, p)),
+        dtypes=_NO_BF16,
     ),
-    ArrayKind("torch", "torch", _torch_from_numpy, _torch_to_numpy),
-    ArrayKind("tensorplay", "tensorplay", _tensorplay_from_numpy, _tensorplay_to_numpy),
+    ArrayKind("torch", "torch", _torch_from_numpy, _torch_to_numpy, _framework_view),
+    ArrayKind("tensorplay", "tensorplay", _tensorplay_from_numpy, _tensorplay_to_numpy, _framework_view),
 )
 
 KIND_DTYPES = [(k, d) for k in KINDS for d in k.dtypes]

@@ -1,0 +1,313 @@
+"""GPU tensors: CUDA-awareness of the MPI library, device adapters, and host staging buffers.
+
+A device adapter knows one kind of device array: where its memory is, how to wait for the
+stream that produces it, and how to copy it to and from host memory.  With a CUDA-aware MPI
+library the device pointer goes straight to MPI after the producer's stream is synchronised;
+otherwise the data is staged through reusable page-locked host buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = [
+    "CudaSupport",
+    "DeviceAdapter",
+    "DeviceView",
+    "StagingPool",
+    "adapter_for",
+    "cuda_support",
+    "override_cuda_aware",
+    "register_adapter",
+    "staging_pool",
+]
+
+ENV_CUDA_AWARE = "TENSORPLAY_P2P_CUDA_AWARE"
+
+
+class CudaSupport(NamedTuple):
+    """Whether device pointers may be handed to MPI, and why this was decided."""
+
+    aware: bool
+    reason: str
+
+
+class DeviceView(NamedTuple):
+    """A device tensor's memory: element 0's address, item size, shape, byte strides."""
+
+    address: int
+    itemsize: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    device: str
+    readonly: bool = False
+
+
+class DeviceAdapter(Protocol):
+    """The device steps for one kind of device array."""
+
+    def view(self, array: Any) -> DeviceView:
+        """Describe the array's memory."""
+        ...
+
+    def synchronize(self, array: Any) -> None:
+        """Wait until the work queued on the stream that produces ``array`` has finished."""
+        ...
+
+    def to_host(self, array: Any, host: np.ndarray) -> None:
+        """Copy ``array`` in C order into the uint8 ``host``, packing on the device; complete on return."""
+        ...
+
+    def from_host(self, host: np.ndarray, array: Any) -> None:
+        """Copy C-ordered bytes from ``host`` into ``array`` (any strides), ordered before later work on it."""
+        ...
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A page-locked uint8 host array of ``nbytes``."""
+        ...
+
+
+# --- CUDA-awareness -------------------------------------------------------------------------
+
+_override: bool | None = None
+_detected: CudaSupport | None = None
+
+
+def override_cuda_aware(aware: bool | None) -> None:
+    """Force the CUDA-aware decision (None: ask the environment and the MPI library again)."""
+    global _override, _detected
+    _override = aware
+    _detected = None
+
+
+def cuda_support() -> CudaSupport:
+    """Whether the loaded MPI library takes CUDA device pointers, and the reason, asked once."""
+    global _detected
+    if _override is not None:
+        return CudaSupport(_override, "set by override_cuda_aware()")
+    if _detected is None:
+        _detected = _detect()
+    return _detected
+
+
+def _detect() -> CudaSupport:
+    env = os.environ.get(ENV_CUDA_AWARE, "").strip()
+    if env in ("0", "1"):
+        return CudaSupport(env == "1", f"{ENV_CUDA_AWARE}={env}")
+    if env:
+        raise ValueError(f"{ENV_CUDA_AWARE} must be 0 or 1, not {env!r}")
+    lib = _libmpi()
+    if lib is not None:
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            flag = query()
+            return CudaSupport(flag == 1, f"MPIX_Query_cuda_support() returned {flag}")
+        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
+        if gpu_query is not None:
+            out = ctypes.c_int(0)
+            gpu_query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            gpu_query(0, ctypes.byref(out))  # 0 is MPIX_GPU_SUPPORT_CUDA
+            return CudaSupport(out.value == 1, f"MPIX_GPU_query_support(CUDA) returned {out.value}")
+    kinds = _memory_alloc_kinds()
+    if kinds is not None:
+        aware = any(k.strip().startswith("cuda") for k in kinds.split(","))
+        return CudaSupport(aware, f"mpi_memory_alloc_kinds is {kinds!r}")
+    return CudaSupport(False, "the MPI library offers no CUDA-awareness query; assuming not CUDA-aware")
+
+
+def _libmpi() -> ctypes.CDLL | None:
+    """The MPI library mpi4py loaded (it is not in the global namespace, so open it by path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths, key=len):
+        try:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        except OSError:
+            continue
+    return None
+
+
+def _memory_alloc_kinds() -> str | None:
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+    except MPI.Exception:
+        return None
+    try:
+        return info.Get("mpi_memory_alloc_kinds")
+    finally:
+        info.Free()
+
+
+# --- Adapters -------------------------------------------------------------------------------
+
+_registered: dict[type, DeviceAdapter] = {}
+_listeners: list[Callable[[], None]] = []
+
+
+def register_adapter(cls: type, adapter: DeviceAdapter | None) -> None:
+    """Use ``adapter`` for instances of ``cls`` and its subclasses (None removes it)."""
+    if adapter is None:
+        _registered.pop(cls, None)
+    else:
+        _registered[cls] = adapter
+    for listener in _listeners:
+        listener()
+
+
+def on_register(listener: Callable[[], None]) -> None:
+    """Call ``listener`` whenever the set of registered adapters changes."""
+    _listeners.append(listener)
+
+
+def adapter_for(obj: Any) -> DeviceAdapter | None:
+    """The adapter for a registered or known device array, or None for host objects."""
+    for cls, adapter in _registered.items():
+        if isinstance(obj, cls):
+            return adapter
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+        return _TORCH
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return _CUPY
+    return None
+
+
+def foreign_to_known(obj: Any) -> Any:
+    """Wrap a device array of another framework (CAI or DLPack) as CuPy or torch, zero-copy."""
+    try:
+        import cupy
+
+        return cupy.from_dlpack(obj) if not hasattr(obj, "__cuda_array_interface__") else cupy.asarray(obj)
+    except ImportError:
+        pass
+    try:
+        import torch
+    except ImportError:
+        raise TypeError(
+            f"{type(obj).__name__} is a CUDA device array; install CuPy or torch to synchronise and stage it"
+        ) from None
+    if hasattr(obj, "__cuda_array_interface__"):
+        return torch.as_tensor(obj, device="cuda")
+    return torch.utils.dlpack.from_dlpack(obj)
+
+
+class _TorchCuda:
+    """torch CUDA tensors: the producer is the current stream of the tensor's device."""
+
+    def view(self, t: Any) -> DeviceView:
+        size = t.element_size()
+        return DeviceView(
+            t.data_ptr(), size, tuple(t.shape), tuple(s * size for s in t.stride()), str(t.dtype)[6:], str(t.device)
+        )
+
+    def synchronize(self, t: Any) -> None:
+        import torch
+
+        torch.cuda.current_stream(t.device).synchronize()
+
+    def _host_view(self, host: np.ndarray, t: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(host).view(t.dtype).view(t.shape)
+
+    def to_host(self, t: Any, host: np.ndarray) -> None:
+        self._host_view(host, t).copy_(t.resolve_conj().resolve_neg())  # non_blocking=False: done on return
+
+    def from_host(self, host: np.ndarray, t: Any) -> None:
+        t.copy_(self._host_view(host, t))  # from host memory, non_blocking=False waits for the copy
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        import torch
+
+        return np.asarray(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
+
+
+class _CuPy:
+    """CuPy arrays: the producer is CuPy's current stream."""
+
+    def view(self, a: Any) -> DeviceView:
+        return DeviceView(a.data.ptr, a.itemsize, tuple(a.shape), tuple(a.strides), a.dtype.name, f"cuda:{a.device.id}")
+
+    def synchronize(self, a: Any) -> None:
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+    def to_host(self, a: Any, host: np.ndarray) -> None:
+        import cupy
+
+        packed = cupy.ascontiguousarray(a)
+        packed.get(out=host.view(a.dtype).reshape(a.shape))
+        cupy.cuda.get_current_stream().synchronize()
+
+    def from_host(self, host: np.ndarray, a: Any) -> None:
+        import cupy
+
+        staged = cupy.empty(a.shape, a.dtype)
+        staged.set(host.view(a.dtype).reshape(a.shape))
+        a[...] = staged
+        cupy.cuda.get_current_stream().synchronize()
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return np.asarray(cupyx.empty_pinned((nbytes,), dtype=np.uint8))
+
+
+_TORCH = _TorchCuda()
+_CUPY = _CuPy()
+
+
+# --- Staging buffers ------------------------------------------------------------------------
+
+
+class StagingPool:
+    """Reusable page-locked host buffers, by power-of-two size, per adapter."""
+
+    def __init__(self, keep_per_size: int = 4) -> None:
+        self._free: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+        self._leased: dict[int, tuple[tuple[int, int], np.ndarray]] = {}
+        self._keep = keep_per_size
+        self.allocated = 0
+
+    @property
+    def in_use(self) -> int:
+        """Buffers taken and not yet given back."""
+        return len(self._leased)
+
+    def take(self, adapter: DeviceAdapter, nbytes: int) -> np.ndarray:
+        """A host buffer exactly ``nbytes`` long, cut from a pooled buffer of the next power of two."""
+        key = (id(adapter), 1 << max(nbytes - 1, 0).bit_length())
+        free = self._free[key]
+        if free:
+            base = free.pop()
+        else:
+            base = adapter.host_buffer(key[1])
+            self.allocated += 1
+        view = base[:nbytes]
+        self._leased[id(view)] = (key, base)
+        return view
+
+    def give(self, host: np.ndarray) -> None:
+        """Return a buffer from ``take`` for reuse."""
+        key, base = self._leased.pop(id(host))
+        free = self._free[key]
+        if len(free) < self._keep:
+            free.append(base)
+
+
+staging_pool = StagingPool()

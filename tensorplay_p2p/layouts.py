@@ -1,0 +1,139 @@
+"""Strided layouts as MPI derived datatypes: elements travel in logical C order, in place.
+
+A layout is ``(itemsize, shape, byte strides)``.  It is first simplified (unit dimensions
+dropped, dimensions that are contiguous in each other merged), so an ordinary contiguous
+tensor needs no derived type at all.  Otherwise the datatype is built once per simplified
+layout, committed, cached, and freed when it falls out of the cache (MPI lets pending
+operations that use a freed datatype complete normally).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Layout", "cache_size", "clear_cache", "datatype", "layout_of", "may_overlap", "plan", "shares_memory"]
+
+_CACHE_LIMIT = 512
+_cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
+_layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
+
+
+class Layout(NamedTuple):
+    """A simplified strided layout.
+
+    ``dims`` are ``(extent, byte stride)`` pairs, outermost first, without the innermost
+    contiguous run, which is ``block`` bytes long.  ``low`` is the offset in bytes (zero or
+    negative) from the first logical element to the lowest byte touched; ``span`` the number of
+    bytes from the lowest to one past the highest byte touched.
+    """
+
+    block: int
+    dims: tuple[tuple[int, int], ...]
+    nbytes: int
+    low: int
+    span: int
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the bytes form one run in C order (no derived datatype needed)."""
+        return not self.dims
+
+
+def plan(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
+    """Simplify ``shape``/``strides`` (byte strides) into a Layout."""
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    if numel == 0:
+        return Layout(0, (), 0, 0, 0)
+    dims = [(e, s) for e, s in zip(shape, strides, strict=True) if e != 1]
+    merged: list[tuple[int, int]] = []
+    for extent, stride in dims:
+        if merged and merged[-1][1] == extent * stride:
+            merged[-1] = (merged[-1][0] * extent, stride)
+        else:
+            merged.append((extent, stride))
+    block = itemsize
+    if merged and merged[-1][1] == itemsize:
+        block = itemsize * merged.pop()[0]
+    low = sum((e - 1) * s for e, s in merged if s < 0)
+    high = sum((e - 1) * s for e, s in merged if s > 0)
+    return Layout(block, tuple(merged), numel * itemsize, low, high - low + block)
+
+
+def may_overlap(layout: Layout) -> bool:
+    """Whether two logical elements may share memory (so the layout cannot safely be received into)."""
+    covered = layout.block
+    for extent, stride in sorted(layout.dims, key=lambda d: abs(d[1])):
+        if abs(stride) < covered:
+            return True
+        covered = abs(stride) * (extent - 1) + covered
+    return False
+
+
+def datatype(layout: Layout) -> MPI.Datatype:
+    """The committed MPI datatype that walks ``layout`` in C order from its lowest byte."""
+    key = (layout.block, layout.dims)
+    found = _cache.get(key)
+    if found is not None:
+        _cache.move_to_end(key)
+        return found
+    built = MPI.BYTE.Create_contiguous(layout.block)
+    for extent, stride in reversed(layout.dims):
+        outer = built.Create_hvector(extent, 1, stride)
+        built.Free()
+        built = outer
+    if layout.low:
+        shifted = MPI.Datatype.Create_struct([1], [-layout.low], [built])
+        built.Free()
+        built = shifted
+    built.Commit()
+    _cache[key] = built
+    _layout_of[built.handle] = layout
+    if len(_cache) > _CACHE_LIMIT:
+        _, evicted = _cache.popitem(last=False)
+        _layout_of.pop(evicted.handle, None)
+        evicted.Free()
+    return built
+
+
+def layout_of(dt: MPI.Datatype) -> Layout | None:
+    """The layout a datatype from ``datatype`` walks, or None for any other datatype."""
+    return _layout_of.get(dt.handle)
+
+
+def _as_array(lowest: int, layout: Layout) -> np.ndarray:
+    """A numpy view (one void item per contiguous block) of the bytes a layout touches."""
+    memory: Any = MPI.buffer.fromaddress(lowest, layout.span)  # has the buffer protocol; its stubs do not say so
+    shape = tuple(extent for extent, _ in layout.dims)
+    strides = tuple(stride for _, stride in layout.dims)
+    view: np.ndarray = np.ndarray(
+        shape, dtype=np.dtype((np.void, layout.block)), buffer=memory, offset=-layout.low, strides=strides
+    )
+    return view
+
+
+def shares_memory(lowest_a: int, a: Layout, lowest_b: int, b: Layout) -> bool:
+    """Whether two layouts, starting at their lowest bytes, touch a common byte (False when it cannot be decided)."""
+    try:
+        limit: Any = 100_000  # numpy's stubs know only the -1 and 0 presets
+        return bool(np.shares_memory(_as_array(lowest_a, a), _as_array(lowest_b, b), max_work=limit))
+    except np.exceptions.TooHardError:
+        return False
+
+
+def cache_size() -> int:
+    """Number of committed datatypes held in the cache."""
+    return len(_cache)
+
+
+def clear_cache() -> None:
+    """Free every cached datatype."""
+    _layout_of.clear()
+    while _cache:
+        _, dt = _cache.popitem()
+        dt.Free()
