@@ -6,7 +6,8 @@ Importing the package initialises MPI (through mpi4py); the world group is usabl
 
 from __future__ import annotations
 
-from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
+from .devices import CudaSupport, cuda_support
+from .errors import CommunicationError, CommunicationTimeout, MessageMismatchError, MessageSizeError
 from .groups import (
     GroupMember,
     ProcessGroup,
@@ -22,7 +23,14 @@ from .groups import (
     new_subgroups_by_enumeration,
 )
 from .ops import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .runtime import destroy_process_group, get_backend, init_process_group, is_initialized, tag_upper_bound
+from .runtime import (
+    checked_mode,
+    destroy_process_group,
+    get_backend,
+    init_process_group,
+    is_initialized,
+    tag_upper_bound,
+)
 from .work import BatchWork, Work
 
 __version__ = "0.1.0"
@@ -31,13 +39,17 @@ __all__ = [
     "BatchWork",
     "CommunicationError",
     "CommunicationTimeout",
+    "CudaSupport",
     "GroupMember",
+    "MessageMismatchError",
     "MessageSizeError",
     "P2POp",
     "ProcessGroup",
     "Work",
     "barrier",
     "batch_isend_irecv",
+    "checked_mode",
+    "cuda_support",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",

@@ -188,21 +188,24 @@ def adapter_for(obj: Any) -> DeviceAdapter | None:
 
 def foreign_to_known(obj: Any) -> Any:
     """Wrap a device array of another framework (CAI or DLPack) as CuPy or torch, zero-copy."""
+    kind = type(obj).__name__
+    cai = hasattr(obj, "__cuda_array_interface__")
     try:
         import cupy
 
-        return cupy.from_dlpack(obj) if not hasattr(obj, "__cuda_array_interface__") else cupy.asarray(obj)
+        return cupy.asarray(obj) if cai else cupy.from_dlpack(obj)
     except ImportError:
         pass
+    except Exception as exc:
+        raise TypeError(f"{kind} is a CUDA device array that CuPy could not wrap: {exc}") from exc
     try:
         import torch
     except ImportError:
-        raise TypeError(
-            f"{type(obj).__name__} is a CUDA device array; install CuPy or torch to synchronise and stage it"
-        ) from None
-    if hasattr(obj, "__cuda_array_interface__"):
-        return torch.as_tensor(obj, device="cuda")
-    return torch.utils.dlpack.from_dlpack(obj)
+        raise TypeError(f"{kind} is a CUDA device array; install CuPy or torch to synchronise and stage it") from None
+    try:
+        return torch.as_tensor(obj, device="cuda") if cai else torch.utils.dlpack.from_dlpack(obj)
+    except Exception as exc:
+        raise TypeError(f"{kind} is a CUDA device array that torch could not wrap: {exc}") from exc
 
 
 class _TorchCuda:

@@ -1,0 +1,106 @@
+"""Real GPU exchanges (torch.cuda and CuPy) at 2+ ranks; skipped where no GPU is present.
+
+Run with tests/gpu/run.sh on a machine with a GPU.  The staged path (through page-locked host
+buffers) always runs; the CUDA-aware path runs when the MPI library says it is CUDA-aware.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import devices
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 120.0
+
+
+def _torch_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _cupy_gpu() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.mpi(min_size=2)]
+MODES = ["staged"] + (["cuda-aware"] if devices.cuda_support().aware else [])
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    devices.override_cuda_aware(request.param == "cuda-aware")
+    yield request.param
+    devices.override_cuda_aware(None)
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch")
+def test_torch_cuda_exchange_without_explicit_synchronize(mode: str) -> None:
+    import torch
+
+    n = 1 << 22  # large enough that the producing kernel is still running when isend is called
+    out = torch.arange(n, device="cuda", dtype=torch.float32).mul_(2).add_(RANK)
+    into = torch.empty(n, device="cuda", dtype=torch.float32)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(timeout=WAIT)
+    total = into.sum()  # the next kernel on the current stream sees the received data
+    expected = torch.arange(n, device="cuda", dtype=torch.float32).mul_(2).add_(PREV)
+    assert torch.equal(into, expected), mode
+    assert float(total) == float(expected.sum())
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch")
+def test_torch_cuda_strided_and_bfloat16(mode: str) -> None:
+    import torch
+
+    base = torch.arange(64 * 48, device="cuda", dtype=torch.float32).reshape(64, 48).to(torch.bfloat16) + RANK
+    recv_base = torch.full((48, 70), -1.0, device="cuda", dtype=torch.bfloat16)
+    into = recv_base[:, 3:67]  # strided receive on the device
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, base.T, NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(
+        timeout=WAIT
+    )
+    expected = (torch.arange(64 * 48, device="cuda", dtype=torch.float32).reshape(64, 48).to(torch.bfloat16) + PREV).T
+    assert torch.equal(into, expected), mode
+    assert bool((recv_base[:, :3] == -1).all()) and bool((recv_base[:, 67:] == -1).all())
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device for torch")
+def test_torch_cuda_to_cpu_and_back(mode: str) -> None:
+    import torch
+
+    device_out = torch.full((1000,), float(RANK), device="cuda")
+    host_in = torch.zeros(1000)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, device_out, NEXT), dist.P2POp(dist.irecv, host_in, PREV)]).wait(
+        timeout=WAIT
+    )
+    assert torch.equal(host_in, torch.full((1000,), float(PREV)))
+
+
+@pytest.mark.skipif(not _cupy_gpu(), reason="no CUDA device for CuPy")
+def test_cupy_exchange_strided(mode: str) -> None:
+    import cupy
+
+    base = cupy.arange(30 * 40, dtype=cupy.float64).reshape(30, 40) * 3 + RANK
+    into = cupy.zeros((30, 10), dtype=cupy.float64)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, base[:, ::4], NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(
+        timeout=WAIT
+    )
+    expected = (cupy.arange(30 * 40, dtype=cupy.float64).reshape(30, 40) * 3 + PREV)[:, ::4]
+    np.testing.assert_array_equal(cupy.asnumpy(into), cupy.asnumpy(expected))

@@ -1,0 +1,116 @@
+"""Checked mode: dtype and shape travel with each message and are verified on receipt."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from arraykinds import ArrayKind, values
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import runtime
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 60.0
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture(autouse=True)
+def checked_mode() -> Iterator[None]:
+    """Every rank switches checked mode on through init_process_group, and off again afterwards."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(check=True)
+    assert dist.checked_mode()
+    yield
+    dist.destroy_process_group()
+    dist.init_process_group(check=False)
+    assert not dist.checked_mode()
+
+
+def _exchange(out: object, into: object, tag: int = 0) -> dist.BatchWork:
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, out, NEXT, tag=tag), dist.P2POp(dist.irecv, into, PREV, tag=tag)]
+    )
+
+
+def test_matching_messages_pass_for_every_kind(kind_dtype: tuple[ArrayKind, str]) -> None:
+    kind, dtype = kind_dtype
+    out, into = kind.make((2, 3), dtype, RANK), kind.empty((2, 3), dtype)
+    _exchange(out, into).wait(timeout=WAIT)
+    np.testing.assert_array_equal(kind.to_numpy(into), values((2, 3), dtype, PREV))
+
+
+def test_strided_and_any_source_messages_pass() -> None:
+    base = np.arange(30.0).reshape(5, 6) + RANK
+    into = np.zeros((5, 2)).T.copy().T  # Fortran-ordered: a strided receive
+    _exchange(base[:, 2:4], into).wait(timeout=WAIT)
+    np.testing.assert_array_equal(into, (np.arange(30.0).reshape(5, 6) + PREV)[:, 2:4])
+    into2 = np.zeros(3)
+    recv = dist.irecv(into2, tag=9)
+    dist.isend(np.full(3, float(RANK)), NEXT, tag=9).wait(timeout=WAIT)  # type: ignore[union-attr]
+    assert recv is not None
+    recv.wait(timeout=WAIT)
+    assert recv.source_rank() == PREV and into2[0] == PREV
+
+
+def test_same_bytes_wrong_dtype_is_named() -> None:
+    work = _exchange(np.zeros(4, dtype=np.int32), np.zeros(4, dtype=np.float32), tag=1)
+    with pytest.raises(
+        dist.MessageMismatchError,
+        match=rf"irecv from rank {PREV} tag 1: the sender sent int32 \(4,\), the receiver expects float32 \(4,\)",
+    ):
+        work.wait(timeout=WAIT)
+    assert work[0].is_success()
+
+
+def test_same_bytes_wrong_shape_is_named() -> None:
+    torch = pytest.importorskip("torch")
+    work = _exchange(torch.zeros(2, 6), torch.zeros(3, 4), tag=2)
+    with pytest.raises(
+        dist.MessageMismatchError, match=r"sent float32 \(2, 6\), the receiver expects float32 \(3, 4\)"
+    ):
+        work.wait(timeout=WAIT)
+
+
+def test_size_mismatch_names_both_sides() -> None:
+    work = _exchange(np.zeros(5, dtype=np.float64), np.zeros(4, dtype=np.float64), tag=3)
+    with pytest.raises(dist.MessageSizeError, match=r"the sender sent float64 \(5,\) \(more bytes\), the receiver "):
+        work.wait(timeout=WAIT)
+    work = _exchange(np.zeros(3, dtype=np.float64), np.zeros(4, dtype=np.float64), tag=4)
+    with pytest.raises(dist.MessageSizeError, match=r"sent float64 \(3,\) \(24 bytes\), the receiver expects float64"):
+        work.wait(timeout=WAIT)
+    assert work[1].exception().expected == 32  # type: ignore[union-attr]
+
+
+def test_bfloat16_and_float16_are_told_apart() -> None:
+    torch = pytest.importorskip("torch")
+    work = _exchange(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float16), tag=5)
+    with pytest.raises(dist.MessageMismatchError, match=r"sent bfloat16 .*expects float16"):
+        work.wait(timeout=WAIT)
+
+
+def test_many_dimensions_fold_into_the_header() -> None:
+    shape = (1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1)
+    out, into = np.full(shape, float(RANK)), np.zeros(shape)
+    _exchange(out, into, tag=6).wait(timeout=WAIT)
+    assert np.all(into == PREV)
+
+
+def test_env_flag_parsing() -> None:
+    assert runtime._env_flag("TENSORPLAY_P2P_TEST_UNSET_FLAG") is False
+    import os
+
+    os.environ["TENSORPLAY_P2P_TEST_FLAG"] = "yes"
+    try:
+        assert runtime._env_flag("TENSORPLAY_P2P_TEST_FLAG") is True
+        os.environ["TENSORPLAY_P2P_TEST_FLAG"] = "2"
+        with pytest.raises(ValueError, match="must be 0 or 1"):
+            runtime._env_flag("TENSORPLAY_P2P_TEST_FLAG")
+    finally:
+        del os.environ["TENSORPLAY_P2P_TEST_FLAG"]

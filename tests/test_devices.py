@@ -1,0 +1,224 @@
+"""GPU paths without a GPU: a fake device array drives the device steps and records their order.
+
+The fake keeps its data in host memory (so MPI can read it when "CUDA-aware") but behaves like a
+device array whose producer stream still has work queued: until ``synchronize`` (or the staging
+copy, which synchronises) runs, the memory holds stale values.  Sending before synchronising would
+therefore send stale data, and copying a staged receive back before completion would copy garbage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import devices
+from tensorplay_p2p.devices import DeviceView
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 60.0
+STALE = -7
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+class FakeDeviceArray:
+    """A device-array stand-in whose queued "kernel" writes ``pending`` into it when the stream is synchronised."""
+
+    def __init__(self, array: np.ndarray, pending: np.ndarray | None = None) -> None:
+        self.array = array
+        self.pending = pending
+
+    def run_queued_work(self) -> None:
+        if self.pending is not None:
+            self.array[...] = self.pending
+            self.pending = None
+
+    def __getitem__(self, index: Any) -> FakeDeviceArray:
+        return FakeDeviceArray(self.array[index])
+
+    @property
+    def T(self) -> FakeDeviceArray:  # noqa: N802
+        return FakeDeviceArray(self.array.T)
+
+
+class FakeAdapter:
+    """Records each device step; copies are plain host copies."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def view(self, a: FakeDeviceArray) -> DeviceView:
+        arr = a.array
+        return DeviceView(
+            arr.__array_interface__["data"][0], arr.itemsize, arr.shape, arr.strides, arr.dtype.name, "fake:0"
+        )
+
+    def synchronize(self, a: FakeDeviceArray) -> None:
+        self.log.append("synchronize")
+        a.run_queued_work()
+
+    def to_host(self, a: FakeDeviceArray, host: np.ndarray) -> None:
+        self.log.append("to_host")
+        a.run_queued_work()  # a staging copy is ordered after the queued work
+        host[...] = np.ascontiguousarray(a.array).reshape(-1).view(np.uint8)
+
+    def from_host(self, host: np.ndarray, a: FakeDeviceArray) -> None:
+        self.log.append("from_host")
+        a.array[...] = host.view(a.array.dtype).reshape(a.array.shape)
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        self.log.append("host_buffer")
+        return np.empty(nbytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAdapter]:
+    adapter = FakeAdapter()
+    devices.register_adapter(FakeDeviceArray, adapter)
+    yield adapter
+    devices.register_adapter(FakeDeviceArray, None)
+    devices.override_cuda_aware(None)
+
+
+def _queued(values: np.ndarray) -> FakeDeviceArray:
+    """A device array whose producing kernel has not run yet."""
+    return FakeDeviceArray(np.full_like(values, STALE), pending=values)
+
+
+@pytest.mark.parametrize("aware", [True, False], ids=["cuda-aware", "staged"])
+def test_send_waits_for_the_producer_stream(fake: FakeAdapter, aware: bool) -> None:
+    devices.override_cuda_aware(aware)
+    out = _queued(np.arange(6, dtype=np.float64) + 10 * RANK)
+    into = np.zeros(6)
+    recv = dist.irecv(into, PREV, tag=1)
+    send = dist.isend(out, NEXT, tag=1)
+    assert fake.log[-1] == ("synchronize" if aware else "to_host"), "the stream must be waited for before the post"
+    assert send is not None and recv is not None
+    send.wait(timeout=WAIT)
+    recv.wait(timeout=WAIT)
+    np.testing.assert_array_equal(into, np.arange(6, dtype=np.float64) + 10 * PREV)
+    assert "from_host" not in fake.log
+
+
+@pytest.mark.parametrize("aware", [True, False], ids=["cuda-aware", "staged"])
+def test_receive_copies_back_only_after_completion(fake: FakeAdapter, aware: bool) -> None:
+    devices.override_cuda_aware(aware)
+    into = FakeDeviceArray(np.zeros((3, 4), dtype=np.int32))
+    recv = dist.irecv(into, PREV, tag=2)
+    assert recv is not None
+    if aware:
+        assert fake.log == ["synchronize"], "MPI may write only once the stream's queued work is done"
+    else:
+        assert set(fake.log) <= {"host_buffer"}, "a staged receive touches the device only after completion"
+    MPI.COMM_WORLD.Barrier()
+    dist.isend(np.full((3, 4), RANK, dtype=np.int32), NEXT, tag=2).wait(timeout=WAIT)  # type: ignore[union-attr]
+    MPI.COMM_WORLD.Barrier()  # the message has arrived (or is arriving); the copy-back still waits for wait()
+    assert "from_host" not in fake.log
+    recv.wait(timeout=WAIT)
+    if aware:
+        assert "from_host" not in fake.log and "to_host" not in fake.log
+    else:
+        assert fake.log[-1] == "from_host"
+    np.testing.assert_array_equal(into.array, np.full((3, 4), PREV, dtype=np.int32))
+
+
+@pytest.mark.parametrize("aware", [True, False], ids=["cuda-aware", "staged"])
+def test_strided_device_views(fake: FakeAdapter, aware: bool) -> None:
+    devices.override_cuda_aware(aware)
+    base = np.arange(48, dtype=np.float32).reshape(6, 8) + 100 * RANK
+    out = FakeDeviceArray(base)[1:5, ::3].T  # packed on the "device" when staged, a datatype when aware
+    recv_base = np.full((3, 10), -1.0, dtype=np.float32)
+    into = FakeDeviceArray(recv_base)[:, 1:9:2]  # strided receive, written in place or copied back strided
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(timeout=WAIT)
+    expected = (np.arange(48, dtype=np.float32).reshape(6, 8) + 100 * PREV)[1:5, ::3].T
+    untouched = np.full((3, 10), -1.0, dtype=np.float32)
+    untouched[:, 1:9:2] = expected
+    np.testing.assert_array_equal(recv_base, untouched)
+    np.testing.assert_array_equal(base, np.arange(48, dtype=np.float32).reshape(6, 8) + 100 * RANK)
+
+
+def test_staging_buffers_are_reused_and_returned(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    pool = devices.staging_pool
+    for step in range(20):
+        out = FakeDeviceArray(np.full(1000, step + RANK, dtype=np.int64))
+        into = FakeDeviceArray(np.zeros(1000, dtype=np.int64))
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]).wait(
+            timeout=WAIT
+        )
+        np.testing.assert_array_equal(into.array, np.full(1000, step + PREV, dtype=np.int64))
+        assert pool.in_use == 0
+    assert fake.log.count("host_buffer") <= 2, "two staging buffers serve every step"
+
+
+def test_failed_staged_receive_is_not_copied_back(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    into = FakeDeviceArray(np.full(4, 5, dtype=np.int16))
+    work = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, np.zeros(3, dtype=np.int16), NEXT, tag=4),
+            dist.P2POp(dist.irecv, into, PREV, tag=4),
+        ]
+    )
+    with pytest.raises(dist.MessageSizeError, match="expected 8 bytes, received 6 bytes"):
+        work.wait(timeout=WAIT)
+    assert "from_host" not in fake.log
+    np.testing.assert_array_equal(into.array, np.full(4, 5, dtype=np.int16))
+    assert devices.staging_pool.in_use == 0
+
+
+def test_rejected_batch_returns_its_staging_buffers(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    readonly = np.zeros(2)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, FakeDeviceArray(np.ones(4)), NEXT),
+                dist.P2POp(dist.irecv, FakeDeviceArray(np.ones(4)), PREV),
+                dist.P2POp(dist.irecv, readonly, PREV),
+            ]
+        )
+    assert devices.staging_pool.in_use == 0
+
+
+def test_cuda_support_reports_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices.override_cuda_aware(None)
+    monkeypatch.delenv(devices.ENV_CUDA_AWARE, raising=False)
+    support = devices.cuda_support()
+    assert isinstance(support.aware, bool) and support.reason
+    if "MPICH" in MPI.Get_library_version():
+        assert not support.aware
+        assert support.reason in ("MPIX_Query_cuda_support() returned 0", "MPIX_GPU_query_support(CUDA) returned 0")
+    for value, aware in (("1", True), ("0", False)):
+        monkeypatch.setenv(devices.ENV_CUDA_AWARE, value)
+        devices.override_cuda_aware(None)
+        assert devices.cuda_support() == (aware, f"TENSORPLAY_P2P_CUDA_AWARE={value}")
+    monkeypatch.setenv(devices.ENV_CUDA_AWARE, "maybe")
+    devices.override_cuda_aware(None)
+    with pytest.raises(ValueError, match="TENSORPLAY_P2P_CUDA_AWARE must be 0 or 1"):
+        devices.cuda_support()
+    monkeypatch.delenv(devices.ENV_CUDA_AWARE)
+    devices.override_cuda_aware(None)
+    assert os.environ.get(devices.ENV_CUDA_AWARE) is None
+
+
+def test_foreign_device_array_without_a_usable_gpu_framework_is_a_type_error() -> None:
+    class CudaOnly:
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (2,),
+            "typestr": "<f4",
+            "data": (0, False),
+            "version": 3,
+        }
+
+    with pytest.raises(TypeError, match=r"CudaOnly is a CUDA device array"):
+        dist.isend(CudaOnly(), NEXT)
