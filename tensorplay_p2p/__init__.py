@@ -6,6 +6,7 @@ Importing the package initialises MPI (through mpi4py); the world group is usabl
 
 from __future__ import annotations
 
+from .cart import CartGroup, new_cart_group
 from .devices import CudaSupport, cuda_support
 from .errors import CommunicationError, CommunicationTimeout, MessageMismatchError, MessageSizeError
 from .groups import (
@@ -22,6 +23,7 @@ from .groups import (
     new_group,
     new_subgroups_by_enumeration,
 )
+from .halo import HaloExchange
 from .ops import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .runtime import (
     checked_mode,
@@ -37,10 +39,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchWork",
+    "CartGroup",
     "CommunicationError",
     "CommunicationTimeout",
     "CudaSupport",
     "GroupMember",
+    "HaloExchange",
     "MessageMismatchError",
     "MessageSizeError",
     "P2POp",
@@ -63,6 +67,7 @@ __all__ = [
     "irecv",
     "is_initialized",
     "isend",
+    "new_cart_group",
     "new_group",
     "new_subgroups_by_enumeration",
     "recv",

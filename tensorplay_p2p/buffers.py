@@ -4,6 +4,8 @@ Kinds: numpy arrays, torch tensors (CPU and CUDA), CuPy arrays, objects with the
 protocol, DLPack producers (TensorPlay and others) and ``__cuda_array_interface__`` objects.
 A framework is touched only when the object is one of its own.
 
+Each kind is first described as ``Memory`` (address, item size, shape, byte strides, dtype,
+device); that description serves sends and receives, checked mode and halo exchange alike.
 A resolved buffer is the tuple ``(spec, nbytes, keepalive, after)``:
 
 - ``spec``: what mpi4py's ``Isend``/``Irecv`` take, ``[buffer, count, datatype]``;
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from .errors import CommunicationError
     from .work import Work
 
-__all__ = ["After", "Resolved", "describe", "meta", "resolve"]
+__all__ = ["After", "Memory", "Resolved", "check_disjoint", "describe", "memory", "resolve"]
 
 After = Callable[["Work", "CommunicationError | None"], "CommunicationError | None"]
 Resolved = tuple[list[Any], int, Any, After | None]
@@ -42,37 +44,34 @@ _BYTE = MPI.BYTE
 _fromaddress = MPI.buffer.fromaddress
 
 
+class Memory(NamedTuple):
+    """Where a tensor's elements are: element 0's address, item size, shape and byte strides."""
+
+    address: int
+    itemsize: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str  # numpy spelling: "float32", "bfloat16", "bool", ...
+    kind: str  # for messages: "numpy array", "torch tensor", ...
+    array: Any  # the object a device adapter works on (the tensor itself on the host)
+    keep: Any  # what must stay alive while MPI uses the memory
+    adapter: devices.DeviceAdapter | None = None  # None: host memory
+    device: str = "cpu"
+
+
 def _readonly_error(what: str, kind: str) -> ValueError:
     return ValueError(f"{what}: the receive buffer ({kind}) is read-only")
 
 
-def _strided(
-    address: int, itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...], writable: bool, what: str, kind: str
-) -> tuple[list[Any], int]:
-    """The spec for memory at ``address`` with byte ``strides``: bytes if contiguous, else a derived datatype."""
-    layout = layouts.plan(itemsize, shape, strides)
-    if layout.contiguous:
-        return [_fromaddress(address, layout.nbytes), layout.nbytes, _BYTE], layout.nbytes
-    if writable and layouts.may_overlap(layout):
-        raise ValueError(
-            f"{what}: the receive buffer ({kind} of shape {shape}, byte strides {strides}) has elements that share "
-            "memory; receive into a tensor without overlapping elements"
-        )
-    return [_fromaddress(address + layout.low, layout.span), 1, layouts.datatype(layout)], layout.nbytes
-
-
-def _from_numpy(a: np.ndarray, writable: bool, what: str, kind: str = "numpy array") -> Resolved:
+def _numpy_memory(a: np.ndarray, writable: bool, what: str, kind: str = "numpy array") -> Memory:
     if writable and not a.flags.writeable:
         raise _readonly_error(what, kind)
     if a.dtype.hasobject:
         raise TypeError(f"{what}: numpy arrays of dtype {a.dtype} hold Python object pointers and cannot be sent")
-    if a.flags.c_contiguous:
-        return [a, a.nbytes, _BYTE], a.nbytes, a, None
-    spec, nbytes = _strided(a.__array_interface__["data"][0], a.itemsize, a.shape, a.strides, writable, what, kind)
-    return spec, nbytes, a, None
+    return Memory(a.__array_interface__["data"][0], a.itemsize, a.shape, a.strides, a.dtype.name, kind, a, a)
 
 
-def _from_buffer(obj: Any, writable: bool, what: str) -> Resolved:
+def _buffer_memory(obj: Any, writable: bool, what: str) -> Memory:
     try:
         view = memoryview(obj)
     except TypeError:
@@ -80,11 +79,10 @@ def _from_buffer(obj: Any, writable: bool, what: str) -> Resolved:
             f"{what}: expected a tensor (numpy array, torch tensor, DLPack or CUDA array, or an object with the "
             f"buffer protocol), got {type(obj).__name__}"
         ) from None
-    spec, nbytes, _, _ = _from_numpy(np.asarray(view), writable, what, type(obj).__name__)
-    return spec, nbytes, obj, None
+    return _numpy_memory(np.asarray(view), writable, what, type(obj).__name__)._replace(keep=obj)
 
 
-def _from_torch(t: Any, writable: bool, what: str) -> Resolved:
+def _torch_memory(t: Any, writable: bool, what: str) -> Memory:
     torch = sys.modules["torch"]
     if t.layout is not torch.strided:
         raise TypeError(
@@ -94,71 +92,129 @@ def _from_torch(t: Any, writable: bool, what: str) -> Resolved:
         if writable:
             raise ValueError(f"{what}: cannot receive into a torch view with the conjugate or negative bit set")
         t = t.resolve_conj().resolve_neg()  # the values the user sees, not the raw storage
+    adapter = None
     if t.device.type != "cpu":
         adapter = devices.adapter_for(t)
         if adapter is None:
             raise TypeError(f"{what}: torch tensors on device {t.device} are not supported (CPU and CUDA are)")
-        return _from_device(t, adapter, writable, what)
     size = t.element_size()
-    if t.is_contiguous():
-        nbytes = t.numel() * size
-        return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
     strides = tuple(s * size for s in t.stride())
-    spec, nbytes = _strided(t.data_ptr(), size, tuple(t.shape), strides, writable, what, "torch tensor")
-    return spec, nbytes, t, None
+    dtype = str(t.dtype).removeprefix("torch.")
+    return Memory(t.data_ptr(), size, tuple(t.shape), strides, dtype, "torch tensor", t, t, adapter, str(t.device))
 
 
-def _from_dlpack(obj: Any, writable: bool, what: str) -> Resolved:
+def _dlpack_memory(obj: Any, writable: bool, what: str) -> Memory:
     kind = type(obj).__name__
     device = getattr(obj, "__dlpack_device__", None)
     if device is not None and device()[0] not in dlpack.HOST_DEVICES:
-        return _from_foreign_device(obj, writable, what)
+        return _foreign_device_memory(obj, writable, what)
     try:
         v = dlpack.view(dlpack.export(obj))
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
         raise TypeError(f"{what}: {kind} could not be exported through DLPack: {exc}") from exc
     if not v.on_host:
-        return _from_foreign_device(obj, writable, what)
+        return _foreign_device_memory(obj, writable, what)
     if writable and v.readonly:
         raise _readonly_error(what, kind)
     strides = tuple(s * v.itemsize for s in v.strides)
-    spec, nbytes = _strided(v.address, v.itemsize, v.shape, strides, writable, what, kind)
-    return spec, nbytes, (obj, v.capsule), None
+    return Memory(v.address, v.itemsize, v.shape, strides, v.dtype, kind, obj, (obj, v.capsule))
 
 
-def _from_foreign_device(obj: Any, writable: bool, what: str) -> Resolved:
+def _foreign_device_memory(obj: Any, writable: bool, what: str) -> Memory:
     try:
         known = devices.foreign_to_known(obj)
     except TypeError as exc:
         raise TypeError(f"{what}: {exc}") from None
-    adapter = devices.adapter_for(known)
+    return _device_memory(known, writable, what)._replace(keep=(obj, known))
+
+
+def _device_memory(array: Any, writable: bool, what: str) -> Memory:
+    adapter = devices.adapter_for(array)
     assert adapter is not None
-    spec, nbytes, keep, after = _from_device(known, adapter, writable, what)
-    return spec, nbytes, (obj, keep), after
-
-
-def _from_device(array: Any, adapter: devices.DeviceAdapter, writable: bool, what: str) -> Resolved:
     v = adapter.view(array)
+    kind = f"{type(array).__name__} on {v.device}"
     if writable and v.readonly:
-        raise _readonly_error(what, f"{type(array).__name__} on {v.device}")
+        raise _readonly_error(what, kind)
+    return Memory(v.address, v.itemsize, v.shape, v.strides, v.dtype, kind, array, array, adapter, v.device)
+
+
+def _classify(tp: type) -> Callable[[Any, bool, str], Memory]:
+    if any(issubclass(tp, cls) for cls in devices._registered):
+        return _device_memory
+    if issubclass(tp, np.ndarray):
+        return _numpy_memory
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(tp, torch.Tensor):
+        return _torch_memory
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and issubclass(tp, cupy.ndarray):
+        return _device_memory
+    if hasattr(tp, "__cuda_array_interface__"):
+        return _foreign_device_memory
+    if hasattr(tp, "__dlpack__"):
+        return _dlpack_memory
+    return _buffer_memory
+
+
+_describers: dict[type, Callable[[Any, bool, str], Memory]] = {}
+devices.on_register(_describers.clear)  # a newly registered device class may be cached as another kind
+
+
+def memory(tensor: Any, writable: bool, what: str) -> Memory:
+    """Describe ``tensor``'s memory; ``writable`` checks that it can be received into."""
+    tp = type(tensor)
+    describe_memory = _describers.get(tp)
+    if describe_memory is None:
+        if tensor is None:
+            raise TypeError(f"{what}: expected a tensor, got None")
+        describe_memory = _describers[tp] = _classify(tp)
+    return describe_memory(tensor, writable, what)
+
+
+def spec(address: int, layout: layouts.Layout, datatype: MPI.Datatype | None = None) -> list[Any]:
+    """The mpi4py buffer spec for ``layout`` starting at element 0's ``address``."""
+    if layout.contiguous:
+        return [_fromaddress(address, layout.nbytes), layout.nbytes, _BYTE]
+    return [_fromaddress(address + layout.low, layout.span), 1, datatype or layouts.datatype(layout)]
+
+
+def plan(m: Memory, writable: bool, what: str) -> layouts.Layout:
+    """The layout of ``m``; for a receive, refuse elements that share memory."""
+    layout = layouts.plan(m.itemsize, m.shape, m.strides)
+    if writable and not layout.contiguous and layouts.may_overlap(layout):
+        raise ValueError(
+            f"{what}: the receive buffer ({m.kind} of shape {m.shape}, byte strides {m.strides}) has elements that "
+            "share memory; receive into a tensor without overlapping elements"
+        )
+    return layout
+
+
+def _resolve_memory(m: Memory, writable: bool, what: str) -> Resolved:
+    layout = plan(m, writable, what)
+    if m.adapter is None:
+        return spec(m.address, layout), layout.nbytes, m.keep, None
     if not _state.checked and devices.cuda_support().aware:
-        adapter.synchronize(array)  # MPI must not touch the memory before the producing stream is done
-        spec, nbytes = _strided(v.address, v.itemsize, v.shape, v.strides, writable, what, v.device)
-        return spec, nbytes, array, None
-    layout = layouts.plan(v.itemsize, v.shape, v.strides)
-    if writable and layouts.may_overlap(layout):
-        raise ValueError(f"{what}: the receive buffer on {v.device} has elements that share memory")
-    pool = devices.staging_pool
-    host = pool.take(adapter, layout.nbytes)
+        m.adapter.synchronize(m.array)  # MPI must not touch the memory before the producing stream is done
+        return spec(m.address, layout), layout.nbytes, m.keep, None
+    return _staged(m, layout.nbytes, writable)
+
+
+def _staged(m: Memory, nbytes: int, writable: bool) -> Resolved:
+    """Device memory through a pooled host buffer: packed and copied before a send, copied back after a receive."""
+    adapter, array, pool = m.adapter, m.array, devices.staging_pool
+    assert adapter is not None
+    host = pool.take(adapter, nbytes)
     if writable:
 
         def copy_back(work: Work, error: CommunicationError | None) -> CommunicationError | None:
-            if error is None:
-                adapter.from_host(host, array)
-            pool.give(host)
+            try:
+                if error is None:
+                    adapter.from_host(host, array)
+            finally:
+                pool.give(host)
             return error
 
-        return [host, layout.nbytes, _BYTE], layout.nbytes, (array, host), copy_back
+        return [host, nbytes, _BYTE], nbytes, (m.keep, host), copy_back
     try:
         adapter.to_host(array, host)
     except BaseException:
@@ -169,35 +225,27 @@ def _from_device(array: Any, adapter: devices.DeviceAdapter, writable: bool, wha
         pool.give(host)
         return error
 
-    return [host, layout.nbytes, _BYTE], layout.nbytes, (array, host), release
+    return [host, nbytes, _BYTE], nbytes, (m.keep, host), release
 
 
-def _from_registered(obj: Any, writable: bool, what: str) -> Resolved:
-    adapter = devices.adapter_for(obj)
-    assert adapter is not None
-    return _from_device(obj, adapter, writable, what)
+def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:
+    if a.flags.c_contiguous and (a.flags.writeable or not writable) and not a.dtype.hasobject:
+        return [a, a.nbytes, _BYTE], a.nbytes, a, None
+    return _resolve_memory(_numpy_memory(a, writable, what), writable, what)
 
 
-def _classify(tp: type) -> _Resolver:
-    if any(issubclass(tp, cls) for cls in devices._registered):
-        return _from_registered
-    if issubclass(tp, np.ndarray):
-        return _from_numpy
-    torch = sys.modules.get("torch")
-    if torch is not None and issubclass(tp, torch.Tensor):
-        return _from_torch
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and issubclass(tp, cupy.ndarray):
-        return _from_registered
-    if hasattr(tp, "__cuda_array_interface__"):
-        return _from_foreign_device
-    if hasattr(tp, "__dlpack__"):
-        return _from_dlpack
-    return _from_buffer
+def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
+    if t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg()) and t.layout is _STRIDED:
+        nbytes = t.numel() * t.element_size()
+        return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
+    return _resolve_memory(_torch_memory(t, writable, what), writable, what)
 
 
-_resolvers: dict[type, _Resolver] = {}
-devices.on_register(_resolvers.clear)  # a newly registered device class may be cached as another kind
+_STRIDED: Any = None  # torch.strided, looked up once torch is seen
+
+
+_resolvers: dict[type, Callable[[Any, bool, str], Resolved]] = {}
+devices.on_register(_resolvers.clear)
 
 
 def resolve(tensor: Any, writable: bool, what: str) -> Resolved:
@@ -207,8 +255,19 @@ def resolve(tensor: Any, writable: bool, what: str) -> Resolved:
     if resolver is None:
         if tensor is None:
             raise TypeError(f"{what}: expected a tensor, got None")
-        resolver = _resolvers[tp] = _classify(tp)
+        resolver = _resolvers[tp] = _resolver_for(tensor)
     return resolver(tensor, writable, what)
+
+
+def _resolver_for(tensor: Any) -> Callable[[Any, bool, str], Resolved]:
+    global _STRIDED
+    describer = _classify(type(tensor))
+    if describer is _numpy_memory:
+        return _fast_numpy
+    if describer is _torch_memory:
+        _STRIDED = sys.modules["torch"].strided
+        return _fast_torch
+    return lambda obj, writable, what: _resolve_memory(describer(obj, writable, what), writable, what)
 
 
 def _region(spec: list[Any]) -> tuple[int, layouts.Layout]:
@@ -244,27 +303,6 @@ def check_disjoint(specs: list[tuple[bool, list[Any]]], what: str) -> None:
                     f"{what}: items {first} and {second} share memory and one of them is a receive; "
                     "MPI would race on it, so give each receive a buffer of its own"
                 )
-
-
-def meta(tensor: Any) -> tuple[str, tuple[int, ...]]:
-    """The dtype name (numpy spelling, ``bfloat16`` included) and shape of a supported tensor."""
-    adapter = devices.adapter_for(tensor)
-    if adapter is not None:
-        v = adapter.view(tensor)
-        return v.dtype, v.shape
-    if isinstance(tensor, np.ndarray):
-        return tensor.dtype.name, tensor.shape
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(tensor, torch.Tensor):
-        return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
-    if hasattr(tensor, "__dlpack__") and not hasattr(tensor, "__cuda_array_interface__"):
-        exported = dlpack.view(dlpack.export(tensor))
-        return exported.dtype, exported.shape
-    if hasattr(tensor, "__cuda_array_interface__"):
-        cai = tensor.__cuda_array_interface__
-        return np.dtype(cai["typestr"]).name, tuple(cai["shape"])
-    a = np.asarray(memoryview(tensor))
-    return a.dtype.name, a.shape
 
 
 def describe(tensor: Any) -> str:

@@ -68,7 +68,8 @@ def _address(buf: Any) -> int:
 def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Resolved:
     """The same message with a dtype-and-shape header in front, checked on receipt."""
     spec, nbytes, keep, after = resolved
-    mine = buffers.meta(tensor)
+    described = buffers.memory(tensor, False, "checked mode")
+    mine = (described.dtype, described.shape)
     header = _encode(mine) if sending else np.zeros(1, _HEADER)
     buf, count, payload_type = spec
     struct = MPI.Datatype.Create_struct(

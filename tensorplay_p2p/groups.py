@@ -32,6 +32,8 @@ _names = itertools.count(1)
 class ProcessGroup:
     """A set of ranks bound to one MPI intracommunicator, with rank translation computed once."""
 
+    _proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
+
     __slots__ = (
         "__weakref__",
         "_comm",
@@ -100,6 +102,18 @@ class ProcessGroup:
     def size(self) -> int:
         """Number of processes in this group, -1 if the caller is not a member."""
         return self._size
+
+    def _global(self, group_rank: int) -> int:
+        """Global rank of a member, -1 for MPI.PROC_NULL or MPI.ANY_SOURCE."""
+        return self._global_of[group_rank] if group_rank >= 0 else -1
+
+    def _peer_text(self, group_rank: int) -> str:
+        """A peer as error messages name it."""
+        if group_rank == MPI.ANY_SOURCE:
+            return "any source"
+        if group_rank == MPI.PROC_NULL:
+            return "no process (PROC_NULL)"
+        return f"rank {self._global_of[group_rank]}"
 
     def _live_comm(self, what: str) -> MPI.Intracomm:
         if self._comm is not None:

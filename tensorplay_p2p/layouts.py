@@ -15,7 +15,17 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Layout", "cache_size", "clear_cache", "datatype", "layout_of", "may_overlap", "plan", "shares_memory"]
+__all__ = [
+    "Layout",
+    "build",
+    "cache_size",
+    "clear_cache",
+    "datatype",
+    "layout_of",
+    "may_overlap",
+    "plan",
+    "shares_memory",
+]
 
 _CACHE_LIMIT = 512
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
@@ -76,12 +86,24 @@ def may_overlap(layout: Layout) -> bool:
 
 
 def datatype(layout: Layout) -> MPI.Datatype:
-    """The committed MPI datatype that walks ``layout`` in C order from its lowest byte."""
+    """The committed MPI datatype that walks ``layout`` in C order from its lowest byte (cached)."""
     key = (layout.block, layout.dims)
     found = _cache.get(key)
     if found is not None:
         _cache.move_to_end(key)
         return found
+    built = build(layout)
+    _cache[key] = built
+    _layout_of[built.handle] = layout
+    if len(_cache) > _CACHE_LIMIT:
+        _, evicted = _cache.popitem(last=False)
+        _layout_of.pop(evicted.handle, None)
+        evicted.Free()
+    return built
+
+
+def build(layout: Layout) -> MPI.Datatype:
+    """A new committed datatype for ``layout``, owned (and freed) by the caller."""
     built = MPI.BYTE.Create_contiguous(layout.block)
     for extent, stride in reversed(layout.dims):
         outer = built.Create_hvector(extent, 1, stride)
@@ -91,14 +113,7 @@ def datatype(layout: Layout) -> MPI.Datatype:
         shifted = MPI.Datatype.Create_struct([1], [-layout.low], [built])
         built.Free()
         built = shifted
-    built.Commit()
-    _cache[key] = built
-    _layout_of[built.handle] = layout
-    if len(_cache) > _CACHE_LIMIT:
-        _, evicted = _cache.popitem(last=False)
-        _layout_of.pop(evicted.handle, None)
-        evicted.Free()
-    return built
+    return built.Commit()
 
 
 def layout_of(dt: MPI.Datatype) -> Layout | None:

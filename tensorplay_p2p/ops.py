@@ -47,12 +47,12 @@ def _post(comm: MPI.Intracomm, work: Work, spec: list[Any]) -> None:
 
 
 def _posting_error(work: Work, what: str, exc: MPI.Exception) -> CommunicationError:
-    peer = "any source" if work._peer == MPI.ANY_SOURCE else f"rank {work._group._global_of[work._peer]}"
     direction = "to" if work._op == "isend" else "from"
+    global_peer = work._group._global(work._peer)
     return CommunicationError(
-        f"{what}: posting {work._op} {direction} {peer} tag {work._tag} failed",
+        f"{what}: posting {work._op} {direction} {work._group._peer_text(work._peer)} tag {work._tag} failed",
         op=work._op,
-        peer=None if work._peer == MPI.ANY_SOURCE else work._group._global_of[work._peer],
+        peer=None if global_peer < 0 else global_peer,
         tag=work._tag,
         mpi_error=exc.Get_error_string().strip(),
     )
@@ -159,7 +159,7 @@ class P2POp:
         if pg.is_member:
             pg._live_comm(what)
             rank = resolve_peer(pg, peer, group_peer, what, _PEER_NAMES)
-            global_rank = pg._global_of[rank]
+            global_rank = pg._global(rank)
         else:  # no translation without membership; the batch will warn and post nothing
             if (peer is None) == (group_peer is None):
                 raise ValueError(f"{what}: give exactly one of peer and group_peer")

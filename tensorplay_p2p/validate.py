@@ -13,6 +13,7 @@ __all__ = ["check_tag", "member_group", "resolve_peer"]
 
 _TAG_UB = tag_upper_bound()
 ANY_SOURCE: int = MPI.ANY_SOURCE
+PROC_NULL: int = MPI.PROC_NULL
 
 
 def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
@@ -53,7 +54,9 @@ def resolve_peer(
 ) -> int:
     """The peer's rank in ``pg`` from exactly one of a global rank and a group rank.
 
-    With ``optional``, neither given means any source (``MPI.ANY_SOURCE``).
+    With ``optional``, neither given means any source (``MPI.ANY_SOURCE``).  In a Cartesian group a
+    group rank may be ``MPI.PROC_NULL`` (what ``CartGroup.shift`` gives at a non-periodic edge):
+    nothing is exchanged.
     """
     global_name, group_name = names
     if group_peer is None:
@@ -71,6 +74,6 @@ def resolve_peer(
         raise ValueError(f"{what}: give either {global_name} or {group_name}, not both")
     rank = group_peer if type(group_peer) is int else _index(group_peer, f"{what}: {group_name}")
     assert isinstance(rank, int)
-    if not 0 <= rank < pg._size:
+    if not 0 <= rank < pg._size and not (rank == PROC_NULL and pg._proc_null_peers):
         raise ValueError(f"{what}: {group_name}={rank} is out of range for {pg.describe()}")
     return rank

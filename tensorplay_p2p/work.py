@@ -27,6 +27,7 @@ _ERR_PENDING = MPI.ERR_PENDING
 _ERR_TRUNCATE = MPI.ERR_TRUNCATE
 _SUCCESS = MPI.SUCCESS
 _ANY_SOURCE = MPI.ANY_SOURCE
+_PROC_NULL = MPI.PROC_NULL
 _REQUEST_NULL = MPI.REQUEST_NULL
 
 # Requests whose Work was dropped while MPI could still touch the buffer: kept (with the
@@ -148,17 +149,14 @@ class Work:
     def describe(self, now: float | None = None) -> str:
         """One line naming the op, peers, tag, size, group and (with ``now``) how long it has waited."""
         pg = self._group
-        if self._peer == _ANY_SOURCE:
-            peer = "any source"
-        else:
-            peer = f"rank {pg._global_of[self._peer]} (group rank {self._peer})"
+        peer = pg._peer_text(self._peer) + (f" (group rank {self._peer})" if self._peer >= 0 else "")
         direction = "to" if self._op == "isend" else "from"
         waited = "" if now is None else f", pending for {now - self._posted:.1f} s"
         return f"{self._op} {direction} {peer}, tag {self._tag}, {self._nbytes} bytes, group {pg.name!r}{waited}"
 
     def _complete(self, status: MPI.Status | None) -> None:
         error: CommunicationError | None = None
-        if status is not None:
+        if status is not None and status.Get_source() != _PROC_NULL:
             self._source = self._group._global_of[status.Get_source()]
             received = status.Get_count(MPI.BYTE)
             if received != self._nbytes:
@@ -194,7 +192,7 @@ def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationErr
     if work._source >= 0:
         global_peer: int | None = work._source
     else:
-        global_peer = None if work._peer == _ANY_SOURCE else work._group._global_of[work._peer]
+        global_peer = None if work._peer < 0 else work._group._global_of[work._peer]
     who = "any source" if global_peer is None else f"rank {global_peer}"
     direction = "to" if work._op == "isend" else "from"
     if MPI.Get_error_class(code) == _ERR_TRUNCATE:

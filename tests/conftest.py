@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 from arraykinds import KIND_DTYPES, KINDS, ArrayKind
+from fakedevice import FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
+
+from tensorplay_p2p import devices
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -53,3 +56,13 @@ def kind(request: pytest.FixtureRequest) -> ArrayKind:
 def kind_dtype(request: pytest.FixtureRequest) -> tuple[ArrayKind, str]:
     """Each available tensor kind with each dtype it supports."""
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAdapter]:
+    """A registered fake device adapter (see fakedevice.py); the CUDA-aware decision is reset afterwards."""
+    adapter = FakeAdapter()
+    devices.register_adapter(FakeDeviceArray, adapter)
+    yield adapter
+    devices.register_adapter(FakeDeviceArray, None)
+    devices.override_cuda_aware(None)

@@ -9,83 +9,22 @@ therefore send stale data, and copying a staged receive back before completion w
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from fakedevice import STALE, FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices
-from tensorplay_p2p.devices import DeviceView
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
 WAIT = 60.0
-STALE = -7
 
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-class FakeDeviceArray:
-    """A device-array stand-in whose queued "kernel" writes ``pending`` into it when the stream is synchronised."""
-
-    def __init__(self, array: np.ndarray, pending: np.ndarray | None = None) -> None:
-        self.array = array
-        self.pending = pending
-
-    def run_queued_work(self) -> None:
-        if self.pending is not None:
-            self.array[...] = self.pending
-            self.pending = None
-
-    def __getitem__(self, index: Any) -> FakeDeviceArray:
-        return FakeDeviceArray(self.array[index])
-
-    @property
-    def T(self) -> FakeDeviceArray:  # noqa: N802
-        return FakeDeviceArray(self.array.T)
-
-
-class FakeAdapter:
-    """Records each device step; copies are plain host copies."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-
-    def view(self, a: FakeDeviceArray) -> DeviceView:
-        arr = a.array
-        return DeviceView(
-            arr.__array_interface__["data"][0], arr.itemsize, arr.shape, arr.strides, arr.dtype.name, "fake:0"
-        )
-
-    def synchronize(self, a: FakeDeviceArray) -> None:
-        self.log.append("synchronize")
-        a.run_queued_work()
-
-    def to_host(self, a: FakeDeviceArray, host: np.ndarray) -> None:
-        self.log.append("to_host")
-        a.run_queued_work()  # a staging copy is ordered after the queued work
-        host[...] = np.ascontiguousarray(a.array).reshape(-1).view(np.uint8)
-
-    def from_host(self, host: np.ndarray, a: FakeDeviceArray) -> None:
-        self.log.append("from_host")
-        a.array[...] = host.view(a.array.dtype).reshape(a.array.shape)
-
-    def host_buffer(self, nbytes: int) -> np.ndarray:
-        self.log.append("host_buffer")
-        return np.empty(nbytes, dtype=np.uint8)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeAdapter]:
-    adapter = FakeAdapter()
-    devices.register_adapter(FakeDeviceArray, adapter)
-    yield adapter
-    devices.register_adapter(FakeDeviceArray, None)
-    devices.override_cuda_aware(None)
 
 
 def _queued(values: np.ndarray) -> FakeDeviceArray:

@@ -1,0 +1,238 @@
+"""Halo exchange: every ghost cell compared with the global field; cells that must not be written stay untouched."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from fakedevice import FakeAdapter, FakeDeviceArray
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import devices
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+WAIT = 60.0
+INTERIOR = (3, 4, 2)  # interior cells per rank along each dimension (distinct, to catch swapped axes)
+COMPONENTS = 2  # a trailing dimension that travels along
+MARKER = -1
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def global_value(index: tuple[int, ...], component: int, shape: tuple[int, ...]) -> int:
+    """A distinct positive number for each global cell and component."""
+    return int(np.ravel_multi_index(index, shape)) * COMPONENTS + component + 1
+
+
+class Case:
+    """One rank's block of a global field on a Cartesian grid, with the expected value of every local cell."""
+
+    def __init__(self, cart: dist.CartGroup, halo: int, step: int = 0) -> None:
+        self.cart, self.halo, self.step = cart, halo, step
+        nd = len(cart.dims)
+        self.n = INTERIOR[:nd]
+        self.shape = tuple(d * n for d, n in zip(cart.dims, self.n, strict=True))
+        self.local = (*tuple(n + 2 * halo for n in self.n), COMPONENTS)
+
+    def _global_index(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(c * n + i - self.halo for c, n, i in zip(self.cart.coords, self.n, local, strict=True))
+
+    def _kind(self, local: tuple[int, ...]) -> int:
+        """How many dimensions of this local cell lie in a ghost layer."""
+        return sum(not self.halo <= i < self.halo + n for i, n in zip(local, self.n, strict=True))
+
+    def initial(self, dtype: str) -> np.ndarray:
+        field = np.full(self.local, MARKER, dtype=dtype)
+        for local in itertools.product(*(range(e) for e in self.local[:-1])):
+            if self._kind(local) == 0:
+                for c in range(COMPONENTS):
+                    field[(*local, c)] = global_value(self._global_index(local), c, self.shape) + self.step
+        return field
+
+    def expected(self, dtype: str, corners: bool) -> np.ndarray:
+        field = self.initial(dtype)
+        for local in itertools.product(*(range(e) for e in self.local[:-1])):
+            ghosts = self._kind(local)
+            if ghosts == 0 or (ghosts > 1 and not corners):
+                continue
+            g = self._global_index(local)
+            inside = all(
+                0 <= gi < size or periodic for gi, size, periodic in zip(g, self.shape, self.cart.periods, strict=True)
+            )
+            if inside:
+                wrapped = tuple(gi % size for gi, size in zip(g, self.shape, strict=True))
+                for c in range(COMPONENTS):
+                    field[(*local, c)] = global_value(wrapped, c, self.shape) + self.step
+        return field
+
+
+def _to_kind(array: np.ndarray, kind: str) -> Any:
+    if kind == "numpy":
+        return array
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("periodic", [False, True], ids=["open", "periodic"])
+@pytest.mark.parametrize("halo", [1, 2])
+@pytest.mark.parametrize("corners", [False, True], ids=["faces", "corners"])
+@pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float64"), ("numpy", "int32"), ("torch", "float32")])
+def test_every_ghost_cell_matches_the_global_field(
+    ndim: int, periodic: bool, halo: int, corners: bool, kind: str, dtype: str
+) -> None:
+    cart = dist.new_cart_group([0] * ndim, periods=periodic)
+    case = Case(cart, halo)
+    field = case.initial(dtype)
+    tensor = _to_kind(field, kind)
+    with dist.HaloExchange(tensor, cart, halo=halo, corners=corners) as hx:
+        hx.exchange(timeout=WAIT)
+    np.testing.assert_array_equal(field, case.expected(dtype, corners))
+    dist.destroy_process_group(cart)
+
+
+def test_several_fields_and_repeated_steps_with_overlap() -> None:
+    """Two fields of different dtypes in one exchange; each step's new interior reaches the neighbours."""
+    cart = dist.new_cart_group([0, 0], periods=[True, False])
+    first = Case(cart, 1)
+    u = first.initial("float64")
+    v = first.initial("complex128")
+    hx = dist.HaloExchange([u, v], cart, halo=1, corners=True)
+    for step in range(3):
+        case = Case(cart, 1, step)
+        u[...] = case.initial("float64")
+        v[...] = case.initial("complex128")
+        hx.start()
+        interior_sum = float(u[1:-1, 1:-1].sum())  # work on the interior while messages fly
+        hx.wait(timeout=WAIT)
+        np.testing.assert_array_equal(u, case.expected("float64", True))
+        np.testing.assert_array_equal(v, case.expected("complex128", True))
+        assert interior_sum == float(u[1:-1, 1:-1].sum())
+    hx.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        hx.start()
+    dist.destroy_process_group(cart)
+
+
+def test_halo_per_dimension_and_message_count() -> None:
+    cart = dist.new_cart_group([0, 0], periods=True)
+    field = np.zeros((7, 8, COMPONENTS))
+    with dist.HaloExchange(field, cart, halo=(2, 0)) as hx:
+        assert hx.messages == 4  # two faces along dim 0, each a send and a receive; none along dim 1
+        hx.exchange(timeout=WAIT)
+    with dist.HaloExchange(field, cart, halo=1, corners=True) as hx:
+        assert hx.messages == 16  # 8 neighbours in 2-D, periodic: all exist
+    dist.destroy_process_group(cart)
+
+
+def test_staged_device_fields(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    cart = dist.new_cart_group([0, 0], periods=[False, True])
+    case = Case(cart, 1)
+    field = case.initial("float32")
+    with dist.HaloExchange(FakeDeviceArray(field), cart, halo=1, corners=True) as hx:
+        for _ in range(2):
+            hx.exchange(timeout=WAIT)
+    np.testing.assert_array_equal(field, case.expected("float32", True))
+    assert "to_host" in fake.log and "from_host" in fake.log
+    assert devices.staging_pool.in_use == 0, "close() gives the staging buffers back"
+    dist.destroy_process_group(cart)
+
+
+def test_cuda_aware_device_fields_synchronise_first(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(True)
+    cart = dist.new_cart_group([0], periods=True)
+    case = Case(cart, 2)
+    field = case.initial("float64")
+    with dist.HaloExchange(FakeDeviceArray(field), cart, halo=2) as hx:
+        hx.start()
+        assert fake.log == ["synchronize"]
+        hx.wait(timeout=WAIT)
+    np.testing.assert_array_equal(field, case.expected("float64", False))
+    dist.destroy_process_group(cart)
+
+
+def test_cart_group_basics_and_p2p_with_shift() -> None:
+    cart = dist.new_cart_group([SIZE], periods=False)
+    assert cart.dims == (SIZE,) and cart.periods == (False,) and cart.coords == (RANK,)
+    src, dst = cart.shift(0, 1)
+    assert src == (RANK - 1 if RANK > 0 else MPI.PROC_NULL)
+    assert dst == (RANK + 1 if RANK < SIZE - 1 else MPI.PROC_NULL)
+    into = np.full(2, -1.0)
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, np.full(2, float(RANK)), group=cart, group_peer=dst),
+            dist.P2POp(dist.irecv, into, group=cart, group_peer=src),
+        ]
+    ).wait(timeout=WAIT)
+    np.testing.assert_array_equal(into, np.full(2, float(RANK - 1) if RANK > 0 else -1.0))  # edge: untouched
+    with pytest.raises(ValueError, match="dim 1 is out of range"):
+        cart.shift(1)
+    assert cart.coords_of(cart.rank()) == (RANK,)
+    dist.destroy_process_group(cart)
+    with pytest.raises(ValueError, match=r"group_dst=-?\d+ is out of range"):
+        dist.isend(np.zeros(1), group_dst=MPI.PROC_NULL)  # only Cartesian groups have no-neighbour peers
+
+
+def test_new_cart_group_argument_checks() -> None:
+    with pytest.raises(ValueError, match=f"need {SIZE + 1} processes but the group has {SIZE}"):
+        dist.new_cart_group([SIZE + 1])
+    with pytest.raises(ValueError, match="periods has 1 entries but dims has 2"):
+        dist.new_cart_group([0, 0], periods=[True])
+    with pytest.raises(TypeError, match="dims must be a non-empty sequence"):
+        dist.new_cart_group(3)  # type: ignore[arg-type]
+    smaller = dist.new_cart_group([1])  # only rank 0 is on the grid
+    if RANK == 0:
+        assert isinstance(smaller, dist.CartGroup) and smaller.size() == 1
+        dist.destroy_process_group(smaller)
+    else:
+        assert smaller is dist.GroupMember.NON_GROUP_MEMBER
+
+
+def test_halo_argument_checks() -> None:
+    cart = dist.new_cart_group([0, 0])
+    with pytest.raises(TypeError, match="needs a CartGroup"):
+        dist.HaloExchange(np.zeros((5, 5)), dist.group.WORLD)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dimension 1 has 5 entries, too few for 2 ghost layers"):
+        dist.HaloExchange(np.zeros((6, 5)), cart, halo=2)
+    with pytest.raises(ValueError, match="halo has 3 entries but the grid has 2 dimensions"):
+        dist.HaloExchange(np.zeros((6, 6)), cart, halo=(1, 1, 1))
+    with pytest.raises(ValueError, match="has 1 dimensions; the grid needs at least 2"):
+        dist.HaloExchange(np.zeros(6), cart)
+    readonly = np.zeros((6, 6))
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        dist.HaloExchange(readonly, cart)
+    dist.destroy_process_group(cart)
+
+
+def test_reallocated_torch_tensor_is_detected() -> None:
+    torch = pytest.importorskip("torch")
+    cart = dist.new_cart_group([0], periods=True)
+    field = torch.zeros(6)
+    with dist.HaloExchange(field, cart) as hx:
+        field.resize_(1000)
+        with pytest.raises(RuntimeError, match="was reallocated"):
+            hx.start()
+    dist.destroy_process_group(cart)
+
+
+def test_timeout_lists_pending_halo_messages() -> None:
+    cart = dist.new_cart_group([0], periods=True)
+    field = np.zeros(9)
+    hx = dist.HaloExchange(field, cart, halo=1)
+    if SIZE > 1 and RANK == 0:
+        hx.start()
+        with pytest.raises(dist.CommunicationTimeout, match=r"HaloExchange: timed out after 0\.3 s") as info:
+            hx.wait(timeout=0.3)
+        assert any(line.startswith("irecv from rank") for line in info.value.pending)
+    MPI.COMM_WORLD.Barrier()
+    if not (SIZE > 1 and RANK == 0):
+        hx.start()
+    hx.wait(timeout=WAIT)  # rank 0 waits again: the step completes once the others have started
+    hx.close()
+    dist.destroy_process_group(cart)
