@@ -68,7 +68,8 @@ def _numpy_memory(a: np.ndarray, writable: bool, what: str, kind: str = "numpy a
         raise _readonly_error(what, kind)
     if a.dtype.hasobject:
         raise TypeError(f"{what}: numpy arrays of dtype {a.dtype} hold Python object pointers and cannot be sent")
-    return Memory(a.__array_interface__["data"][0], a.itemsize, a.shape, a.strides, a.dtype.name, kind, a, a)
+    dtype = a.dtype.name if a.dtype.isnative or a.itemsize == 1 else f"{a.dtype.name} ({a.dtype.byteorder}-endian)"
+    return Memory(a.__array_interface__["data"][0], a.itemsize, a.shape, a.strides, dtype, kind, a, a)
 
 
 def _buffer_memory(obj: Any, writable: bool, what: str) -> Memory:
@@ -92,6 +93,8 @@ def _torch_memory(t: Any, writable: bool, what: str) -> Memory:
         if writable:
             raise ValueError(f"{what}: cannot receive into a torch view with the conjugate or negative bit set")
         t = t.resolve_conj().resolve_neg()  # the values the user sees, not the raw storage
+    if t.requires_grad:
+        t = t.detach()  # the data; copies into it must not be recorded by autograd
     adapter = None
     if t.device.type != "cpu":
         adapter = devices.adapter_for(t)
@@ -121,6 +124,9 @@ def _dlpack_memory(obj: Any, writable: bool, what: str) -> Memory:
 
 
 def _foreign_device_memory(obj: Any, writable: bool, what: str) -> Memory:
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if writable and cai is not None and cai["data"][1]:
+        raise _readonly_error(what, f"{type(obj).__name__} (CUDA array interface)")
     try:
         known = devices.foreign_to_known(obj)
     except TypeError as exc:

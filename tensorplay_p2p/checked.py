@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 __all__ = ["HEADER_BYTES", "wrap"]
 
 _MAGIC = b"TP2C"
-_MAX_DIMS = 9
-_HEADER = np.dtype([("magic", "S4"), ("ndim", "<u4"), ("dtype", "S16"), ("shape", "<i8", (_MAX_DIMS,))])
+_MAX_DIMS = 16
+_HEADER = np.dtype([("magic", "S4"), ("ndim", "<u4"), ("dtype", "S24"), ("shape", "<i8", (_MAX_DIMS,))])
 HEADER_BYTES = _HEADER.itemsize
 
 Meta = tuple[str, tuple[int, ...]]
@@ -34,7 +34,7 @@ def _encode(meta: Meta) -> np.ndarray:
     header = np.zeros(1, _HEADER)
     header["magic"] = _MAGIC
     header["ndim"] = len(shape)
-    header["dtype"] = dtype.encode()[:16]
+    header["dtype"] = dtype.encode()[:24]
     dims = list(shape)
     if len(dims) > _MAX_DIMS:
         dims[_MAX_DIMS - 1 :] = [int(np.prod(dims[_MAX_DIMS - 1 :]))]
@@ -82,7 +82,7 @@ def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Reso
             error = _judge(work, error, header, mine)
         return after(work, error) if after is not None else error
 
-    return [MPI.BOTTOM, 1, struct], nbytes + HEADER_BYTES, (keep, header), verify
+    return [MPI.BOTTOM, 1, struct], nbytes + HEADER_BYTES, (keep, header, buf), verify
 
 
 def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
@@ -91,8 +91,16 @@ def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, min
     where = f"irecv from rank {source if source is not None else '?'} tag {work._tag}"
     expected = work._nbytes - HEADER_BYTES
     if isinstance(error, MessageSizeError):
+        if sender is None:
+            return MessageMismatchError(
+                f"{where}: the message carries no checked-mode header ({error.received or 'more'} bytes where "
+                f"{expected} + a {HEADER_BYTES}-byte header were expected); run every rank in checked mode",
+                op="irecv",
+                peer=source,
+                tag=work._tag,
+            )
         received = None if error.received is None else error.received - HEADER_BYTES
-        theirs = "an unchecked message" if sender is None else _show(sender)
+        theirs = _show(sender)
         got = "more bytes" if received is None else f"{received} bytes"
         return MessageSizeError(
             f"{where}: the sender sent {theirs} ({got}), the receiver expects {_show(mine)} ({expected} bytes)",

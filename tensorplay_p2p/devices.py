@@ -203,7 +203,15 @@ def foreign_to_known(obj: Any) -> Any:
     except ImportError:
         raise TypeError(f"{kind} is a CUDA device array; install CuPy or torch to synchronise and stage it") from None
     try:
-        return torch.as_tensor(obj, device="cuda") if cai else torch.utils.dlpack.from_dlpack(obj)
+        if not cai:
+            return torch.utils.dlpack.from_dlpack(obj)
+        stream = obj.__cuda_array_interface__.get("stream")
+        if stream in (1, 2):  # the legacy or per-thread default stream
+            torch.cuda.synchronize()
+        elif stream:
+            external: Any = torch.cuda.ExternalStream
+            external(stream).synchronize()  # torch ignores the CAI stream; wait for it here
+        return torch.as_tensor(obj, device="cuda")
     except Exception as exc:
         raise TypeError(f"{kind} is a CUDA device array that torch could not wrap: {exc}") from exc
 
@@ -248,22 +256,25 @@ class _CuPy:
     def synchronize(self, a: Any) -> None:
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        with a.device:
+            cupy.cuda.get_current_stream().synchronize()
 
     def to_host(self, a: Any, host: np.ndarray) -> None:
         import cupy
 
-        packed = cupy.ascontiguousarray(a)
-        packed.get(out=host.view(a.dtype).reshape(a.shape))
-        cupy.cuda.get_current_stream().synchronize()
+        with a.device:
+            packed = cupy.ascontiguousarray(a)
+            packed.get(out=host.view(a.dtype).reshape(a.shape))
+            cupy.cuda.get_current_stream().synchronize()
 
     def from_host(self, host: np.ndarray, a: Any) -> None:
         import cupy
 
-        staged = cupy.empty(a.shape, a.dtype)
-        staged.set(host.view(a.dtype).reshape(a.shape))
-        a[...] = staged
-        cupy.cuda.get_current_stream().synchronize()
+        with a.device:
+            staged = cupy.empty(a.shape, a.dtype)
+            staged.set(host.view(a.dtype).reshape(a.shape))
+            a[...] = staged
+            cupy.cuda.get_current_stream().synchronize()
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         import cupyx

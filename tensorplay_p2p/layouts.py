@@ -24,12 +24,14 @@ __all__ = [
     "layout_of",
     "may_overlap",
     "plan",
+    "release_retired",
     "shares_memory",
 ]
 
 _CACHE_LIMIT = 512
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
 _layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
+_retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
 
 
 class Layout(NamedTuple):
@@ -96,10 +98,16 @@ def datatype(layout: Layout) -> MPI.Datatype:
     _cache[key] = built
     _layout_of[built.handle] = layout
     if len(_cache) > _CACHE_LIMIT:
-        _, evicted = _cache.popitem(last=False)
+        _retired.append(_cache.popitem(last=False)[1])  # an op being prepared may still hold it
+    return built
+
+
+def release_retired() -> None:
+    """Free the datatypes evicted from the cache; call once the ops that used them are posted."""
+    while _retired:
+        evicted = _retired.pop()
         _layout_of.pop(evicted.handle, None)
         evicted.Free()
-    return built
 
 
 def build(layout: Layout) -> MPI.Datatype:
@@ -148,6 +156,7 @@ def cache_size() -> int:
 
 def clear_cache() -> None:
     """Free every cached datatype."""
+    release_retired()
     _layout_of.clear()
     while _cache:
         _, dt = _cache.popitem()

@@ -10,7 +10,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers, checked
+from . import buffers, checked, layouts
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
 from .runtime import _state
@@ -73,6 +73,9 @@ def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what:
     except BaseException:
         work._settle(CommunicationError(f"{what}: not posted"))
         raise
+    finally:
+        if layouts._retired:
+            layouts.release_retired()
     return work
 
 
@@ -200,6 +203,14 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
     pg = member_group(first.group, "batch_isend_irecv")
     if pg is None:
         return BatchWork()
+    try:
+        return _post_batch(pg, p2p_op_list)
+    finally:
+        if layouts._retired:  # datatypes evicted while the batch was prepared: free them now that it is posted
+            layouts.release_retired()
+
+
+def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
     prepared: list[tuple[Work, list[Any]]] = []
     try:
         for i, p2p in enumerate(p2p_op_list):

@@ -181,7 +181,14 @@ class Work:
         self._request = _REQUEST_NULL
         after, self._after = self._after, None
         if after is not None:
-            error = after(self, error)
+            try:
+                error = after(self, error)
+            except Exception as exc:  # a failed copy-back must not leave the Work half-finished
+                failure = CommunicationError(
+                    f"{self.describe()}: the message arrived but completing it failed: {exc!r}", op=self._op
+                )
+                failure.__cause__ = exc
+                error = failure
         self._keep = None
         self._exception = error
         self._state = _DONE if error is None else _FAILED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,3 +115,47 @@ def test_env_flag_parsing() -> None:
             runtime._env_flag("TENSORPLAY_P2P_TEST_FLAG")
     finally:
         del os.environ["TENSORPLAY_P2P_TEST_FLAG"]
+
+
+def test_unchecked_sender_is_reported() -> None:
+    runtime._state.checked = False  # this rank sends as a rank outside checked mode would
+    try:
+        sent = dist.isend(np.zeros(4), NEXT, tag=7)
+    finally:
+        runtime._state.checked = True
+    into = np.zeros(4)
+    recv = dist.irecv(into, PREV, tag=7)
+    assert sent is not None and recv is not None
+    with pytest.raises(dist.MessageMismatchError, match="carries no checked-mode header"):
+        recv.wait(timeout=WAIT)
+    sent.wait(timeout=WAIT)
+
+
+def test_byte_order_and_many_dimensions_are_compared() -> None:
+    work = _exchange(np.zeros(3, dtype=">f8"), np.zeros(3, dtype="<f8"), tag=8)
+    with pytest.raises(
+        dist.MessageMismatchError, match=r"sent float64 \(>-endian\) \(3,\), the receiver expects float64"
+    ):
+        work.wait(timeout=WAIT)
+    out_shape = (1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 3)
+    in_shape = (1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 3, 1)  # same size, differs only in the last dimensions
+    work = _exchange(np.zeros(out_shape), np.zeros(in_shape), tag=9)
+    with pytest.raises(dist.MessageMismatchError, match=r"1, 3\), the receiver expects float64"):
+        work.wait(timeout=WAIT)
+
+
+def test_checked_mode_with_staged_device_tensors(fake: Any) -> None:
+    from fakedevice import FakeDeviceArray
+
+    from tensorplay_p2p import devices
+
+    devices.override_cuda_aware(True)  # checked mode stages device tensors even then
+    out = FakeDeviceArray(np.full((2, 2), float(RANK)))
+    into = FakeDeviceArray(np.zeros((2, 2)))
+    _exchange(out, into, tag=10).wait(timeout=WAIT)
+    np.testing.assert_array_equal(into.array, np.full((2, 2), float(PREV)))
+    assert "to_host" in fake.log and "from_host" in fake.log
+    work = _exchange(out, FakeDeviceArray(np.zeros(4)), tag=11)
+    with pytest.raises(dist.MessageMismatchError, match=r"sent float64 \(2, 2\), the receiver expects float64 \(4,\)"):
+        work.wait(timeout=WAIT)
+    assert devices.staging_pool.in_use == 0

@@ -161,3 +161,42 @@ def test_foreign_device_array_without_a_usable_gpu_framework_is_a_type_error() -
 
     with pytest.raises(TypeError, match=r"CudaOnly is a CUDA device array"):
         dist.isend(CudaOnly(), NEXT)
+
+
+class FailingCopyBack(FakeAdapter):
+    """A device whose copy to device memory fails (as a CUDA error would)."""
+
+    def from_host(self, host: np.ndarray, a: FakeDeviceArray) -> None:
+        if a.array.dtype == np.int8:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().from_host(host, a)
+
+
+def test_failed_copy_back_fails_that_op_only_and_releases_everything() -> None:
+    class Breaking(FakeDeviceArray):
+        pass
+
+    adapter = FailingCopyBack()
+    devices.register_adapter(Breaking, adapter)
+    devices.override_cuda_aware(False)
+    try:
+        bad = Breaking(np.zeros(4, dtype=np.int8))
+        good = Breaking(np.zeros(4, dtype=np.int16))
+        work = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, np.full(4, RANK, dtype=np.int8), NEXT, tag=1),
+                dist.P2POp(dist.isend, np.full(4, RANK, dtype=np.int16), NEXT, tag=2),
+                dist.P2POp(dist.irecv, bad, PREV, tag=1),
+                dist.P2POp(dist.irecv, good, PREV, tag=2),
+            ]
+        )
+        with pytest.raises(dist.CommunicationError, match="the message arrived but completing it failed"):
+            work.wait(timeout=WAIT)
+        np.testing.assert_array_equal(good.array, np.full(4, PREV, dtype=np.int16))  # the healthy op finished
+        assert work[3].is_success() and not work[2].is_success()
+        with pytest.raises(dist.CommunicationError, match="completing it failed"):
+            work.wait()  # the same error again, not a made-up one
+        assert devices.staging_pool.in_use == 0
+    finally:
+        devices.register_adapter(Breaking, None)
+        devices.override_cuda_aware(None)

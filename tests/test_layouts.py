@@ -190,3 +190,20 @@ def test_property_random_strided_layouts(send_case: Any, recv_case: Any) -> None
     all_ok = MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND)
     assert ok, f"rank {RANK}: wrong data for send {send_case} into {recv_case}"
     assert all_ok, "another rank received wrong data"
+
+
+def test_datatypes_evicted_while_a_batch_is_prepared_stay_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More distinct layouts in one batch than the cache holds: every op still posts with a live datatype."""
+    monkeypatch.setattr(layouts, "_CACHE_LIMIT", 4)
+    layouts.clear_cache()
+    base = np.arange(12 * 40, dtype=np.float64).reshape(12, 40) + 1000 * RANK
+    columns = [base[:, j : j + 1 + j % 3] for j in range(10)]  # ten different layouts
+    intos = [np.zeros(c.shape) for c in columns]
+    ops = [dist.P2POp(dist.isend, c, NEXT, tag=j) for j, c in enumerate(columns)]
+    ops += [dist.P2POp(dist.irecv, into, PREV, tag=j) for j, into in enumerate(intos)]
+    dist.batch_isend_irecv(ops).wait(timeout=WAIT)
+    expected = np.arange(12 * 40, dtype=np.float64).reshape(12, 40) + 1000 * PREV
+    for j, into in enumerate(intos):
+        np.testing.assert_array_equal(into, expected[:, j : j + 1 + j % 3])
+    assert layouts.cache_size() <= 4 and not layouts._retired
+    layouts.clear_cache()
