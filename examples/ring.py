@@ -1,6 +1,6 @@
 """Pass tensors around a ring and check what arrives.
 
-Run: mpiexec -n 4 python examples/ring.py [--size N]
+Run: mpiexec -n 4 python -m tensorplay_p2p.run examples/ring.py [--size N]
 
 Each rank sends a tensor stamped with its rank to the next rank and receives one from the
 previous, first with isend/irecv, then with one batch_isend_irecv, then with a torch tensor

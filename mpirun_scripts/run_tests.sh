@@ -33,10 +33,13 @@ for n in $sizes; do
     [ "$rc" -eq 0 ] || { echo "!!! pytest at $n rank(s) failed (exit $rc)"; status=1; }
 done
 
-for example in "$root"/examples/ring.py; do
+examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
+"$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py")
+for example in "${examples[@]}"; do
     for n in $sizes; do
         echo "=== $(basename "$example") at $n rank(s) ==="
-        if ! timeout -k 15 "$limit" "${launch[@]}" -n "$n" "$python" "$example" >"$reports/example.out" 2>&1; then
+        if ! timeout -k 15 "$limit" "${launch[@]}" -n "$n" "$python" -m tensorplay_p2p.run "$example" \
+            >"$reports/example.out" 2>&1; then
             cat "$reports/example.out"
             echo "!!! $(basename "$example") at $n rank(s) failed"
             status=1

@@ -1,0 +1,80 @@
+"""Run a script so that an uncaught exception on any rank ends the whole MPI job.
+
+    mpiexec -n 4 python -m tensorplay_p2p.run script.py [args...]
+    mpiexec -n 4 python -m tensorplay_p2p.run -m package.module [args...]
+    mpiexec -n 4 python -m tensorplay_p2p.run -c "code"
+
+Without this, one rank that raises exits while its peers wait forever for its messages, and the
+batch job burns its allocation until the scheduler kills it.  Here the traceback is printed
+(prefixed with the rank) and ``MPI_Abort`` ends every rank with a non-zero status.  A script that
+exits with a non-zero ``SystemExit`` code aborts the job with that code as well.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+__all__ = ["main"]
+
+USAGE = "usage: python -m tensorplay_p2p.run (script.py | -m module | -c code) [args...]"
+
+
+def _abort(code: int) -> None:
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the target named by ``argv`` (default: the command line) with abort-on-exception."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not args else sys.stdout)
+        sys.exit(2 if not args else 0)
+    try:
+        if args[0] == "-m" and len(args) > 1:
+            sys.argv = [args[1], *args[2:]]
+            sys.path.insert(0, os.getcwd())  # as `python -m` does
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c" and len(args) > 1:
+            sys.argv = ["-c", *args[2:]]
+            sys.path.insert(0, "")
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif args[0].startswith("-"):
+            print(f"tensorplay_p2p.run: unknown option {args[0]!r}\n{USAGE}", file=sys.stderr)
+            sys.exit(2)
+        else:
+            sys.argv = args
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script.py` does
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+        _abort(int(code))
+    except BaseException:
+        rank = _rank()
+        lines = traceback.format_exc().rstrip().splitlines()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        sys.stderr.write(f"[rank {rank}] uncaught exception: aborting the MPI job\n")
+        _abort(1)
+
+
+def _rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+
+
+if __name__ == "__main__":
+    main()
