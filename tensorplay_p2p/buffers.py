@@ -75,6 +75,8 @@ def _numpy_memory(a: np.ndarray, writable: bool, what: str, kind: str = "numpy a
 def _buffer_memory(obj: Any, writable: bool, what: str) -> Memory:
     try:
         view = memoryview(obj)
+    except ValueError as exc:  # e.g. a released memoryview
+        raise ValueError(f"{what}: the {type(obj).__name__} cannot be used as a buffer: {exc}") from None
     except TypeError:
         raise TypeError(
             f"{what}: expected a tensor (numpy array, torch tensor, DLPack or CUDA array, or an object with the "

@@ -87,11 +87,12 @@ def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Reso
 
 def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
     sender = _decode(header)
-    source = work._source if work._source >= 0 else None
+    source = work._source if work._source >= 0 else work._group._global(work._peer)
+    source = None if source < 0 else source
     where = f"irecv from rank {source if source is not None else '?'} tag {work._tag}"
     expected = work._nbytes - HEADER_BYTES
     if isinstance(error, MessageSizeError):
-        if sender is None:
+        if sender is None and error.received is not None:
             return MessageMismatchError(
                 f"{where}: the message carries no checked-mode header ({error.received or 'more'} bytes where "
                 f"{expected} + a {HEADER_BYTES}-byte header were expected); run every rank in checked mode",
@@ -100,7 +101,8 @@ def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, min
                 tag=work._tag,
             )
         received = None if error.received is None else error.received - HEADER_BYTES
-        theirs = _show(sender)
+        # a truncated message may not have been delivered at all (network paths): its header is unknown
+        theirs = "a message of unknown dtype and shape" if sender is None else _show(sender)
         got = "more bytes" if received is None else f"{received} bytes"
         return MessageSizeError(
             f"{where}: the sender sent {theirs} ({got}), the receiver expects {_show(mine)} ({expected} bytes)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -296,6 +297,7 @@ class StagingPool:
         self._free: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
         self._leased: dict[int, tuple[tuple[int, int], np.ndarray]] = {}
         self._keep = keep_per_size
+        self._lock = threading.Lock()
         self.allocated = 0
 
     @property
@@ -306,22 +308,24 @@ class StagingPool:
     def take(self, adapter: DeviceAdapter, nbytes: int) -> np.ndarray:
         """A host buffer exactly ``nbytes`` long, cut from a pooled buffer of the next power of two."""
         key = (id(adapter), 1 << max(nbytes - 1, 0).bit_length())
-        free = self._free[key]
-        if free:
-            base = free.pop()
-        else:
+        with self._lock:
+            free = self._free[key]
+            base = free.pop() if free else None
+        if base is None:
             base = adapter.host_buffer(key[1])
             self.allocated += 1
         view = base[:nbytes]
-        self._leased[id(view)] = (key, base)
+        with self._lock:
+            self._leased[id(view)] = (key, base)
         return view
 
     def give(self, host: np.ndarray) -> None:
         """Return a buffer from ``take`` for reuse."""
-        key, base = self._leased.pop(id(host))
-        free = self._free[key]
-        if len(free) < self._keep:
-            free.append(base)
+        with self._lock:
+            key, base = self._leased.pop(id(host))
+            free = self._free[key]
+            if len(free) < self._keep:
+                free.append(base)
 
 
 staging_pool = StagingPool()

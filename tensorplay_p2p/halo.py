@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, devices, layouts
+from . import buffers, devices, layouts, watchdog
 from .cart import CartGroup
 from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
 from .groups import _index
@@ -95,7 +95,7 @@ class HaloExchange:
         self._corners = corners
         self._halo = widths
         self._active = False
-        self._started = 0.0
+        self._started = self._posted = 0.0
         self._memories = [buffers.memory(t, True, f"HaloExchange tensor {i}") for i, t in enumerate(fields)]
         self._closed = False
         self._staged = any(m.adapter is not None for m in self._memories) and not devices.cuda_support().aware
@@ -189,7 +189,9 @@ class HaloExchange:
         if self._requests:
             MPI.Prequest.Startall(self._requests)
         self._active = True
-        self._started = time.monotonic()
+        self._started = self._posted = time.monotonic()
+        if watchdog.active:
+            watchdog.track(self)
 
     def wait(self, timeout: timedelta | float | None = None) -> None:
         """Complete the step (one ``Waitall``); ghost layers are filled on return."""
@@ -203,8 +205,10 @@ class HaloExchange:
                 self._poll(seconds)
         except MPI.Exception as exc:
             self._active = False
+            watchdog.untrack(self)
             raise self._failure(exc) from exc
         self._active = False
+        watchdog.untrack(self)
         for message, status in zip(self._messages, self._statuses, strict=True):
             if message.receive and status.Get_count(MPI.BYTE) != message.nbytes:
                 raise MessageSizeError(
@@ -249,6 +253,12 @@ class HaloExchange:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
+
+    def pending_lines(self, now: float) -> list[str]:
+        """For the watchdog: the messages of the step in flight (without testing them: another thread waits on them)."""
+        if not self._active:
+            return []
+        return [self._describe(m, now) + " (this step)" for m in self._messages]
 
     def _describe(self, message: _Message, now: float) -> str:
         verb, direction = ("irecv", "from") if message.receive else ("isend", "to")

@@ -9,6 +9,7 @@ operations that use a freed datatype complete normally).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ _CACHE_LIMIT = 512
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
 _layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
 _retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
+_lock = threading.Lock()  # ops may be posted from several threads
 
 
 class Layout(NamedTuple):
@@ -90,24 +92,26 @@ def may_overlap(layout: Layout) -> bool:
 def datatype(layout: Layout) -> MPI.Datatype:
     """The committed MPI datatype that walks ``layout`` in C order from its lowest byte (cached)."""
     key = (layout.block, layout.dims)
-    found = _cache.get(key)
-    if found is not None:
-        _cache.move_to_end(key)
-        return found
-    built = build(layout)
-    _cache[key] = built
-    _layout_of[built.handle] = layout
-    if len(_cache) > _CACHE_LIMIT:
-        _retired.append(_cache.popitem(last=False)[1])  # an op being prepared may still hold it
-    return built
+    with _lock:
+        found = _cache.get(key)
+        if found is not None:
+            _cache.move_to_end(key)
+            return found
+        built = build(layout)
+        _cache[key] = built
+        _layout_of[built.handle] = layout
+        if len(_cache) > _CACHE_LIMIT:
+            _retired.append(_cache.popitem(last=False)[1])  # an op being prepared may still hold it
+        return built
 
 
 def release_retired() -> None:
     """Free the datatypes evicted from the cache; call once the ops that used them are posted."""
-    while _retired:
-        evicted = _retired.pop()
-        _layout_of.pop(evicted.handle, None)
-        evicted.Free()
+    with _lock:
+        while _retired:
+            evicted = _retired.pop()
+            _layout_of.pop(evicted.handle, None)
+            evicted.Free()
 
 
 def build(layout: Layout) -> MPI.Datatype:

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import groups
+from . import groups, layouts, watchdog
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
 
 
 ENV_CHECK = "TENSORPLAY_P2P_CHECK"
+ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 
 
 def _env_flag(name: str) -> bool:
@@ -64,6 +65,20 @@ def _seconds(timeout: timedelta | float | None, what: str) -> float | None:
     return value
 
 
+def _env_timeout() -> float | None:
+    value = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not value:
+        return None
+    try:
+        return _seconds(float(value), ENV_TIMEOUT)
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {value!r}") from None
+
+
+if (_startup_timeout := _env_timeout()) is not None:
+    watchdog.enable(_startup_timeout)
+
+
 def init_process_group(
     backend: str | None = "mpi",
     init_method: str | None = None,
@@ -84,8 +99,6 @@ def init_process_group(
     must use the same mode.
     """
     groups._check_backend(backend)
-    if _state.initialized:
-        raise ValueError("init_process_group was called twice; call destroy_process_group() first")
     seconds = _seconds(timeout, "timeout")
     mpi_size, mpi_rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     world_size = groups._index(world_size, "world_size")
@@ -94,10 +107,14 @@ def init_process_group(
         raise ValueError(f"init_process_group: world_size={world_size} but MPI was launched with {mpi_size} processes")
     if rank not in (-1, mpi_rank):
         raise ValueError(f"init_process_group: rank={rank} but this process is MPI rank {mpi_rank}")
+    if _state.initialized:
+        raise ValueError("init_process_group was called twice; call destroy_process_group() first")
     if GroupMember.WORLD._comm is None:
         groups._revive_world()
     _state.initialized = True
     _state.timeout = seconds
+    if seconds is not None:
+        watchdog.enable(seconds)
     if check is not None:
         _state.checked = bool(check)
 
@@ -116,8 +133,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Free one group, or with no argument every group and the default one."""
     if group is None or group is GroupMember.WORLD:
         groups._destroy_all()
+        layouts.clear_cache()
         _state.initialized = False
         _state.timeout = None
+        if _env_timeout() is None:
+            watchdog.disable()
         return
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")

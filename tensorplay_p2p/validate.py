@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 from mpi4py import MPI
@@ -16,8 +17,35 @@ ANY_SOURCE: int = MPI.ANY_SOURCE
 PROC_NULL: int = MPI.PROC_NULL
 
 
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+    MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+    MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+}
+_SINGLE_THREADED = MPI.Query_thread() < MPI.THREAD_MULTIPLE
+_first_thread: int | None = None
+
+
+def check_thread(what: str) -> None:
+    """RuntimeError on a call from a second thread when the MPI library is not MPI_THREAD_MULTIPLE."""
+    global _first_thread
+    me = threading.get_ident()
+    if _first_thread is None:
+        _first_thread = me
+    elif me != _first_thread:
+        level = _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))
+        raise RuntimeError(
+            f"{what}: called from a second thread, but the MPI library provides {level}; concurrent use from "
+            "several threads needs MPI_THREAD_MULTIPLE (an MPI built with thread support, and mpi4py.rc.thread_level "
+            "left at 'multiple')"
+        )
+
+
 def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
     """The group to use (WORLD for None), or None after a warning when the caller is not a member."""
+    if _SINGLE_THREADED:
+        check_thread(what)
     if group is None:
         group = GroupMember.WORLD
     elif not isinstance(group, ProcessGroup):

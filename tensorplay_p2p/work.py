@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -11,6 +12,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import watchdog
 from .buffers import After
 from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
 from .groups import ProcessGroup
@@ -33,12 +35,16 @@ _REQUEST_NULL = MPI.REQUEST_NULL
 # Requests whose Work was dropped while MPI could still touch the buffer: kept (with the
 # buffer) until they complete, so MPI never writes into freed memory.
 _orphans: list[tuple[MPI.Request, Any]] = []
+_orphans_lock = threading.Lock()
 
 
 def reap_orphans() -> None:
     """Release dropped requests that have completed since; a dropped request that failed is reported as a warning."""
+    with _orphans_lock:
+        dropped = list(_orphans)
+        _orphans.clear()
     alive = []
-    for request, keep in _orphans:
+    for request, keep in dropped:
         try:
             if not request.Test():
                 alive.append((request, keep))
@@ -48,7 +54,8 @@ def reap_orphans() -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-    _orphans[:] = alive
+    with _orphans_lock:
+        _orphans.extend(alive)
 
 
 class Work:
@@ -92,6 +99,8 @@ class Work:
         self._exception: CommunicationError | None = None
         self._source = -1
         self._posted = time.monotonic()
+        if watchdog.active:
+            watchdog.track(self)
 
     def __del__(self) -> None:
         if self._state == _PENDING and self._request:
@@ -192,6 +201,33 @@ class Work:
         self._keep = None
         self._exception = error
         self._state = _DONE if error is None else _FAILED
+        if watchdog.active:
+            watchdog.untrack(self)
+
+    def pending_lines(self, now: float) -> list[str]:
+        """For the watchdog: this op, if still pending."""
+        return [self.describe(now)] if self._state == _PENDING else []
+
+    def cancel(self) -> bool:
+        """Cancel a pending receive (``MPI_Cancel``); True if cancelled, False if it had already completed.
+
+        On return MPI no longer uses the buffer.  A cancelled Work is completed without success:
+        ``wait()`` raises ``CommunicationError``.  Sends cannot be cancelled (MPI 4 deprecates it).
+        """
+        if self._state != _PENDING:
+            return False
+        if self._op == "isend":
+            raise CommunicationError(
+                f"{self.describe()}: a send cannot be cancelled; wait for it (with a timeout) instead", op="isend"
+            )
+        status = _Status()
+        self._request.Cancel()
+        self._request.Wait(status)
+        if not status.Is_cancelled():
+            self._complete(status)  # it had matched a message before the cancel: the data is there
+            return False
+        self._settle(CommunicationError(f"{self.describe()}: cancelled", op=self._op))
+        return True
 
 
 def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationError:

@@ -81,7 +81,7 @@ def test_same_bytes_wrong_shape_is_named() -> None:
 
 def test_size_mismatch_names_both_sides() -> None:
     work = _exchange(np.zeros(5, dtype=np.float64), np.zeros(4, dtype=np.float64), tag=3)
-    with pytest.raises(dist.MessageSizeError, match=r"the sender sent float64 \(5,\) \(more bytes\), the receiver "):
+    with pytest.raises(dist.MessageSizeError, match=r"\(more bytes\), the receiver expects float64 \(4,\) \(32 bytes"):
         work.wait(timeout=WAIT)
     work = _exchange(np.zeros(3, dtype=np.float64), np.zeros(4, dtype=np.float64), tag=4)
     with pytest.raises(dist.MessageSizeError, match=r"sent float64 \(3,\) \(24 bytes\), the receiver expects float64"):

@@ -1,0 +1,97 @@
+"""The job-wide watchdog: aborts the MPI job when an operation stays pending longer than the timeout.
+
+Off by default.  Switched on by ``init_process_group(timeout=...)`` or ``TENSORPLAY_P2P_TIMEOUT``
+(seconds).  Waits stay on MPI's blocking path; a daemon thread looks at what is pending a few
+times per timeout, and when something has waited too long it prints the rank, the host and the
+pending operations on stderr and calls ``MPI_Abort``, so a hung batch job ends at once instead
+of when the scheduler kills it.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from typing import Protocol
+
+from mpi4py import MPI
+
+__all__ = ["EXIT_CODE", "active", "disable", "enable", "track", "untrack"]
+
+EXIT_CODE = 3  # the job's exit status when the watchdog aborts it
+
+
+class Watched(Protocol):
+    """Something pending: when it was posted and how to describe what is still outstanding."""
+
+    _posted: float
+
+    def pending_lines(self, now: float) -> list[str]:
+        """One line per operation still pending."""
+        ...
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.timeout: float | None = None
+        self.pending: dict[int, Watched] = {}
+        self.thread: threading.Thread | None = None
+        self.wake = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            timeout = self.timeout
+            if timeout is None:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            time.sleep(min(max(timeout / 4, 0.05), 1.0))
+            now = time.monotonic()
+            late = [w for w in list(self.pending.values()) if now - w._posted > timeout]
+            if late:
+                self.abort(late, timeout, now)
+
+    def abort(self, late: list[Watched], timeout: float, now: float) -> None:
+        lines = [line for w in late for line in w.pending_lines(now)]
+        rank = MPI.COMM_WORLD.Get_rank()
+        report = (
+            f"tensorplay_p2p watchdog: rank {rank} on host {socket.gethostname()}: {len(lines)} operation(s) "
+            f"pending longer than the {timeout:g} s timeout; aborting the job:\n  " + "\n  ".join(lines) + "\n"
+        )
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(EXIT_CODE)
+
+
+_dog = _Watchdog()
+active = False  # read on every post: the watchdog costs one flag test when it is off
+
+
+def enable(timeout: float) -> None:
+    """Abort the job when an operation stays pending longer than ``timeout`` seconds."""
+    global active
+    _dog.timeout = timeout
+    active = True
+    if _dog.thread is None:
+        _dog.thread = threading.Thread(target=_dog.run, name="tensorplay_p2p-watchdog", daemon=True)
+        _dog.thread.start()
+    _dog.wake.set()
+
+
+def disable() -> None:
+    """Stop watching (pending operations are forgotten)."""
+    global active
+    active = False
+    _dog.timeout = None
+    _dog.pending.clear()
+
+
+def track(item: Watched) -> None:
+    """Watch ``item`` until ``untrack``."""
+    _dog.pending[id(item)] = item
+
+
+def untrack(item: Watched) -> None:
+    """Stop watching ``item``."""
+    _dog.pending.pop(id(item), None)

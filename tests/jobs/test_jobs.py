@@ -1,0 +1,169 @@
+"""Whole MPI jobs that are meant to fail or hang, run as bounded mpiexec subprocesses.
+
+These tests run once, outside mpiexec (``python -m pytest tests/jobs``); each job has a time
+limit, and the assertions are on its exit status, its duration and what it wrote to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+LIMIT = 90  # seconds; a job that hangs past this fails the test instead of the suite
+
+
+def launch_flags() -> list[str]:
+    version = subprocess.run([MPIEXEC or "mpiexec", "--version"], capture_output=True, text=True).stdout.lower()
+    if "open mpi" in version or "open-rte" in version:
+        return ["--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    return []
+
+
+def run_job(tmp_path: Path, ranks: int, code: str, *, launcher: bool = True, env: dict[str, str] | None = None):
+    """Run ``code`` as a script on ``ranks`` ranks; returns (exit status, seconds, stderr)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
+    command += ["-m", "tensorplay_p2p.run", str(script)] if launcher else [str(script)]
+    start = time.monotonic()
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=LIMIT, env={**os.environ, **(env or {})}, cwd=tmp_path
+    )
+    return done.returncode, time.monotonic() - start, done.stderr + done.stdout
+
+
+def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path: Path) -> None:
+    status, seconds, output = run_job(
+        tmp_path,
+        3,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        if dist.get_rank() == 1:
+            raise RuntimeError("boom on rank 1")
+        dist.recv(np.zeros(1), src=1)  # would wait forever: rank 1 never sends
+        """,
+    )
+    assert status != 0
+    assert seconds < 30, f"the job took {seconds:.0f} s to end"
+    assert "[rank 1] RuntimeError: boom on rank 1" in output
+    assert "aborting the MPI job" in output
+
+
+def test_a_non_zero_exit_ends_the_whole_job(tmp_path: Path) -> None:
+    status, seconds, _ = run_job(
+        tmp_path,
+        2,
+        """
+        import sys, numpy as np
+        import tensorplay_p2p as dist
+        if dist.get_rank() == 0:
+            sys.exit(5)
+        dist.recv(np.zeros(1), src=0)
+        """,
+    )
+    assert status != 0 and seconds < 30
+
+
+def test_the_watchdog_reports_the_hang_and_aborts(tmp_path: Path) -> None:
+    status, seconds, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        dist.init_process_group(timeout=1.5)
+        if dist.get_rank() == 0:
+            dist.irecv(np.zeros(4), src=1, tag=42).wait()  # rank 1 never sends
+        else:
+            import time; time.sleep(60)
+        """,
+    )
+    assert status != 0
+    assert seconds < 30, f"the watchdog took {seconds:.0f} s"
+    assert "tensorplay_p2p watchdog: rank 0 on host" in output
+    assert "pending longer than the 1.5 s timeout" in output
+    assert "irecv from rank 1 (group rank 1), tag 42, 32 bytes, group 'WORLD', pending for" in output
+
+
+def test_the_watchdog_from_the_environment_and_a_stuck_halo(tmp_path: Path) -> None:
+    status, seconds, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np, time
+        import tensorplay_p2p as dist
+        cart = dist.new_cart_group([2], periods=True)
+        halo = dist.HaloExchange(np.zeros(8), cart)
+        if cart.rank() == 0:
+            halo.exchange()  # rank 1 never takes part
+        else:
+            time.sleep(60)
+        """,
+        env={"TENSORPLAY_P2P_TIMEOUT": "1"},
+    )
+    assert status != 0 and seconds < 30
+    assert "tensorplay_p2p watchdog: rank 0" in output and "HaloExchange" not in output.split("watchdog")[0]
+    assert "tensor 0 direction" in output
+
+
+def test_no_watchdog_no_cost_and_a_clean_exit(tmp_path: Path) -> None:
+    status, _, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import watchdog
+        assert not watchdog.active and watchdog._dog.thread is None
+        into = np.zeros(2)
+        r = dist.irecv(into, src=1 - dist.get_rank())
+        dist.send(np.ones(2), dst=1 - dist.get_rank())
+        r.wait()
+        assert into.sum() == 2
+        print("ok", dist.get_rank())
+        """,
+    )
+    assert status == 0, output
+    assert output.count("ok ") == 2
+
+
+def test_a_timeout_report_lists_what_is_pending(tmp_path: Path) -> None:
+    status, _, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        rank = dist.get_rank()
+        if rank == 0:
+            work = dist.batch_isend_irecv([
+                dist.P2POp(dist.irecv, np.zeros(3), 1, tag=7),
+                dist.P2POp(dist.isend, np.zeros(100000), 1, tag=8),  # large: waits for the receiver
+            ])
+            try:
+                work.wait(timeout=0.5)
+            except dist.CommunicationTimeout as exc:
+                print(exc, flush=True)
+        dist.barrier()
+        if rank == 1:
+            dist.send(np.zeros(3), 0, tag=7)
+            dist.recv(np.zeros(100000), 0, tag=8)
+        else:
+            work.wait(timeout=30)
+            print("completed after the timeout", flush=True)
+        """,
+    )
+    assert status == 0, output
+    assert "timed out after 0.5 s with" in output
+    assert "irecv from rank 1 (group rank 1), tag 7, 24 bytes, group 'WORLD', pending for 0.5 s" in output
+    assert "completed after the timeout" in output

@@ -1,0 +1,94 @@
+"""Smoke test of the benchmark: tiny sizes and few iterations, run in-process by every rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import bench
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+QUICK = ["--quick", "--scale", "0.01", "--max-size", "64", "--halo-max-edge", "16", "--reps", "3"]
+PAIRED = ("exchange", "latency", "bw", "batch")  # need two ranks
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def expected_rows() -> set[tuple[str, str, int]]:
+    """(pattern, series, size) for every figure the smoke run must produce at this world size."""
+    rows = {("halo2d", series, edge) for series in ("tensorplay", "mpi4py") for edge in (8, 16)}
+    if SIZE >= 2:
+        for pattern in PAIRED:
+            names = ("tensorplay", "tensorplay[isend]", "mpi4py") if pattern == "exchange" else ("tensorplay", "mpi4py")
+            rows |= {(pattern, series, 1 << k) for series in names for k in range(7)}
+    return rows
+
+
+def test_every_figure_is_finite_and_positive() -> None:
+    config = bench.parse_args([*QUICK, "--patterns", ",".join((*PAIRED, "halo2d")), "--impls", "tensorplay,mpi4py"])
+    results = bench.run(config)
+    if RANK != 0:
+        assert results == []
+        return
+    assert {(r.pattern, r.series, r.size) for r in results} == expected_rows()
+    for r in results:
+        figures = (r.time_us, r.time_min_us, r.bandwidth_mbps, r.message_rate)
+        assert all(math.isfinite(f) and f > 0 for f in figures), r
+        assert r.iterations >= 1 and r.blocks >= 1 and r.ranks == SIZE
+        if r.impl == "tensorplay":
+            assert r.ratio_vs_mpi4py is not None and math.isfinite(r.ratio_vs_mpi4py) and r.ratio_vs_mpi4py > 0
+            assert r.ratio_vs_gloo is None
+
+
+def test_main_writes_table_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = Path(MPI.COMM_WORLD.bcast(str(tmp_path)))  # rank 0's directory; only rank 0 writes
+    status = bench.main([*QUICK, "--max-size", "8", "--patterns", "halo2d", "--impls", "mpi4py", "--out", str(out)])
+    assert status == 0
+    if RANK != 0:
+        return
+    assert "## halo2d" in capsys.readouterr().out
+    document = json.loads((out / "results.json").read_text())
+    assert document["meta"]["ranks"] == SIZE
+    assert {r["series"] for r in document["results"]} == {"mpi4py"}
+    lines = (out / "results.csv").read_text().splitlines()
+    assert lines[0].startswith("pattern,series,impl,size") and len(lines) == 1 + len(document["results"])
+
+
+def test_importing_the_benchmark_does_not_import_torch() -> None:
+    if RANK != 0:
+        return
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_", "OMPI_")  # a fresh singleton process, not a rank of this job
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    code = "import sys, tensorplay_p2p.bench; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=env, check=False, timeout=60).returncode == 0
+
+
+def test_patterns_needing_more_ranks_are_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    results = bench.run(bench.parse_args([*QUICK, "--max-size", "1", "--patterns", "latency", "--impls", "mpi4py"]))
+    if SIZE == 1:
+        assert results == []
+        assert "skipping latency" in capsys.readouterr().err
+    elif RANK == 0:
+        assert [r.pattern for r in results] == ["latency"]
+
+
+def test_hand_written_halo_fills_the_same_ghosts_as_halo_exchange() -> None:
+    cart = dist.new_cart_group([0, 0], periods=True)
+    edge = 6
+    rng = np.random.default_rng(RANK)
+    mine = rng.random((edge + 2, edge + 2))
+    theirs = mine.copy()
+    with dist.HaloExchange(mine, cart) as halo:
+        halo.exchange()
+    bench.hand_written_halo(cart, theirs, edge)(1)
+    np.testing.assert_array_equal(mine, theirs)

@@ -1,0 +1,342 @@
+"""Reliability: a table of bad inputs (each a clear error, nothing posted), stress, threads, random schedules."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import devices, layouts, work
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 120.0
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def exchange_and_check(tag: int, value: float) -> None:
+    """A correct ring exchange on ``tag``: proves that the failed call left nothing posted on it."""
+    into = np.zeros(4)
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, np.full(4, value + RANK), NEXT, tag=tag),
+            dist.P2POp(dist.irecv, into, PREV, tag=tag),
+        ]
+    ).wait(timeout=WAIT)
+    np.testing.assert_array_equal(into, np.full(4, value + PREV))
+
+
+def _released() -> memoryview:
+    view = memoryview(bytearray(8))
+    view.release()
+    return view
+
+
+def _readonly() -> np.ndarray:
+    a = np.zeros(4)
+    a.flags.writeable = False
+    return a
+
+
+def _destroyed_group() -> dist.ProcessGroup:
+    g = dist.new_group(list(range(SIZE)))
+    dist.destroy_process_group(g)
+    return g
+
+
+def _completed_work() -> dist.Work:
+    w = dist.isend(np.zeros(1), RANK, tag=999)
+    r = dist.irecv(np.zeros(1), RANK, tag=999)
+    assert w is not None and r is not None
+    r.wait(timeout=WAIT)
+    return w
+
+
+BUF = np.zeros(4)
+TAG_UB = dist.tag_upper_bound()
+P2P = dist.P2POp
+BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
+    ("tensor None", lambda: dist.isend(None, NEXT), TypeError, "isend: expected a tensor, got None"),
+    ("tensor list", lambda: dist.isend([1.0, 2.0], NEXT), TypeError, "got list"),
+    ("tensor str", lambda: dist.isend("abc", NEXT), TypeError, "got str"),
+    ("tensor dict", lambda: dist.irecv({}, PREV), TypeError, "got dict"),
+    ("released buffer", lambda: dist.isend(_released(), NEXT), ValueError, "released memoryview"),
+    ("object dtype", lambda: dist.isend(np.array([None, 1]), NEXT), TypeError, "Python object pointers"),
+    ("receive into bytes", lambda: dist.irecv(b"1234", PREV), ValueError, r"receive buffer \(bytes\) is read-only"),
+    ("receive read-only array", lambda: dist.irecv(_readonly(), PREV), ValueError, "is read-only"),
+    ("receive broadcast view", lambda: dist.irecv(np.broadcast_to(np.zeros(2), (3, 2)), PREV), ValueError, "read-only"),
+    ("dst too large", lambda: dist.isend(BUF, SIZE), ValueError, rf"dst={SIZE} is not a member of group 'WORLD'"),
+    ("dst negative", lambda: dist.isend(BUF, -1), ValueError, "dst=-1 is not a member"),
+    ("src too large", lambda: dist.irecv(BUF, SIZE + 5), ValueError, rf"src={SIZE + 5} is not a member"),
+    ("group_dst out of range", lambda: dist.isend(BUF, group_dst=SIZE), ValueError, "is out of range for group"),
+    ("dst float", lambda: dist.isend(BUF, 1.5), TypeError, "dst must be an int, not float"),  # type: ignore[arg-type]
+    ("dst str", lambda: dist.isend(BUF, "0"), TypeError, "dst must be an int, not str"),  # type: ignore[arg-type]
+    ("dst bool", lambda: dist.isend(BUF, True), TypeError, "dst must be an int, not bool"),
+    ("tag negative", lambda: dist.isend(BUF, NEXT, tag=-1), ValueError, r"tag -1 is outside \[0, "),
+    ("tag too large", lambda: dist.isend(BUF, NEXT, tag=TAG_UB + 1), ValueError, "is outside"),
+    ("tag float", lambda: dist.irecv(BUF, PREV, tag=1.0), TypeError, "tag must be an int, not float"),  # type: ignore[arg-type]
+    ("both peer forms", lambda: dist.isend(BUF, NEXT, group_dst=NEXT), ValueError, "either dst or group_dst, not both"),
+    ("neither peer form", lambda: dist.isend(BUF), ValueError, "one of dst and group_dst must be given"),
+    ("P2POp both", lambda: P2P(dist.isend, BUF, 0, group_peer=0), ValueError, "not both"),
+    ("P2POp neither", lambda: P2P(dist.irecv, BUF), ValueError, "one of peer and group_peer"),
+    ("P2POp op send", lambda: P2P(dist.send, BUF, 0), ValueError, "Invalid ``op``"),  # type: ignore[arg-type]
+    ("P2POp op None", lambda: P2P(None, BUF, 0), ValueError, "Invalid ``op``"),  # type: ignore[arg-type]
+    ("batch of one P2POp", lambda: dist.batch_isend_irecv(P2P(dist.isend, BUF, NEXT)), TypeError, "list of P2POp"),  # type: ignore[arg-type]
+    ("batch with an int", lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF, NEXT), 3]), ValueError, "item 1 is int"),  # type: ignore[list-item]
+    (
+        "batch of two groups",
+        lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF, NEXT), P2P(dist.isend, BUF, 0, group=_destroyed_group())]),
+        RuntimeError,
+        "has been destroyed",
+    ),
+    (
+        "batch receive overlaps",
+        lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF[:3], NEXT), P2P(dist.irecv, BUF[1:], PREV)]),
+        ValueError,
+        "items 0 and 1 share memory",
+    ),
+    ("group not a group", lambda: dist.isend(BUF, NEXT, group="world"), TypeError, "group must be a ProcessGroup"),  # type: ignore[arg-type]
+    (
+        "group from another communicator",
+        lambda: dist.isend(BUF, group=dist.group_from_comm(MPI.COMM_SELF), group_dst=1),
+        ValueError,
+        "group_dst=1 is out of range for group",
+    ),
+    ("destroyed group", lambda: dist.isend(BUF, RANK, group=_destroyed_group()), RuntimeError, "has been destroyed"),
+    ("blocking send to self", lambda: dist.send(BUF, RANK), ValueError, "must not be the rank of the calling process"),
+    (
+        "blocking recv from self",
+        lambda: dist.recv(BUF, RANK),
+        ValueError,
+        "must not be the rank of the calling process",
+    ),
+    ("timeout of the wrong type", lambda: _completed_work().wait(timeout="1s"), TypeError, "timeout must be seconds"),  # type: ignore[arg-type]
+    ("negative timeout", lambda: _completed_work().wait(timeout=-1), ValueError, "timeout must be positive"),
+    ("cancel a send", lambda: dist.isend(BUF, RANK, tag=998).cancel(), dist.CommunicationError, "cannot be cancelled"),  # type: ignore[union-attr]
+    ("halo on a plain group", lambda: dist.HaloExchange(np.zeros((6, 6)), dist.group.WORLD), TypeError, "CartGroup"),  # type: ignore[arg-type]
+    ("new_group duplicate", lambda: dist.new_group([0, 0]), ValueError, "rank 0 appears more than once"),
+    ("init with a wrong world size", lambda: dist.init_process_group(world_size=SIZE + 1), ValueError, "world_size="),
+    ("cart dims too large", lambda: dist.new_cart_group([SIZE + 1]), ValueError, "need"),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "error", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_a_clear_error_and_the_job_goes_on(
+    name: str, call: Callable[[], Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call()
+    if name == "cancel a send":  # its message is in flight to self: take it
+        dist.irecv(np.zeros(4), RANK, tag=998).wait(WAIT)  # type: ignore[union-attr]
+    exchange_and_check(tag=5, value=float(len(name)))
+
+
+def test_at_least_thirty_bad_inputs() -> None:
+    assert len(BAD_INPUTS) >= 30
+
+
+def test_cancel_a_pending_receive_frees_its_buffer() -> None:
+    into = np.full(4, -1.0)
+    recv = dist.irecv(into, PREV, tag=77)
+    assert recv is not None
+    assert recv.cancel() is True
+    assert recv.is_completed() and not recv.is_success()
+    with pytest.raises(dist.CommunicationError, match="cancelled"):
+        recv.wait()
+    np.testing.assert_array_equal(into, np.full(4, -1.0))
+    assert recv.cancel() is False  # already finished
+    MPI.COMM_WORLD.Barrier()  # no rank sends on tag 77 before every rank has cancelled
+    exchange_and_check(tag=77, value=3.0)  # a later message on the same tag goes to the new receive
+
+
+def test_one_batch_of_ten_thousand_ops() -> None:
+    n = 5000  # sends and as many receives per rank
+    sends = [np.array([RANK, i], dtype=np.int32) for i in range(n)]
+    recvs = [np.full(2, -1, dtype=np.int32) for _ in range(n)]
+    ops = [dist.P2POp(dist.irecv, recvs[i], (RANK - 1 - i) % SIZE, tag=i) for i in range(n)]
+    ops += [dist.P2POp(dist.isend, sends[i], (RANK + 1 + i) % SIZE, tag=i) for i in range(n)]
+    work_ = dist.batch_isend_irecv(ops)
+    assert len(work_) == 2 * n
+    work_.wait(timeout=WAIT)
+    got = np.array(recvs)
+    expected = np.array([[(RANK - 1 - i) % SIZE, i] for i in range(n)], dtype=np.int32)
+    np.testing.assert_array_equal(got, expected)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
+    """Contiguous, strided and torch buffers, batch and single ops: no growth, no leaked requests or datatypes."""
+    torch = pytest.importorskip("torch")
+    base = np.zeros((4, 8))
+    into = np.zeros(4)
+    t_out, t_in = torch.zeros(2), torch.zeros(2)
+
+    def step(i: int) -> None:
+        if i % 3 == 0:
+            dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, base[:, i % 8], NEXT), dist.P2POp(dist.irecv, into, PREV)]
+            ).wait()
+        elif i % 3 == 1:
+            r = dist.irecv(t_in, PREV, tag=1)
+            dist.isend(t_out, NEXT, tag=1).wait()  # type: ignore[union-attr]
+            r.wait()  # type: ignore[union-attr]
+        else:
+            dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, into, NEXT, tag=2), dist.P2POp(dist.irecv, base[0, :4], PREV, tag=2)]
+            ).wait()
+
+    total = 100_000 // 3 * 3
+    for i in range(3000):
+        step(i)
+    gc.collect()
+    before = _rss_bytes()
+    start = time.monotonic()
+    for i in range(3000, total):
+        step(i)
+    gc.collect()
+    growth = _rss_bytes() - before
+    assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over {total} exchanges"
+    assert not work._orphans and not layouts._retired and layouts.cache_size() <= 16
+    assert devices.staging_pool.in_use == 0
+    print(f"rank {RANK}: {total} exchanges in {time.monotonic() - start:.1f} s, RSS growth {growth / 1024:.0f} KiB")
+
+
+def test_four_threads_per_rank_exchange_concurrently() -> None:
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("the MPI library does not provide MPI_THREAD_MULTIPLE")
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for step in range(200):
+                into = np.zeros(3)
+                value = 1000.0 * t + step
+                dist.batch_isend_irecv(
+                    [
+                        dist.P2POp(dist.isend, np.full(3, value + RANK), NEXT, tag=100 + t),
+                        dist.P2POp(dist.irecv, into, PREV, tag=100 + t),
+                    ]
+                ).wait(timeout=WAIT)
+                np.testing.assert_array_equal(into, np.full(3, value + PREV))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_second_thread_is_refused_when_the_library_is_not_thread_multiple(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorplay_p2p import validate
+
+    monkeypatch.setattr(validate, "_SINGLE_THREADED", True)
+    monkeypatch.setattr(validate, "_first_thread", threading.get_ident())
+    caught: list[BaseException] = []
+    th = threading.Thread(target=lambda: caught.append(_capture(lambda: dist.isend(BUF, RANK))))
+    th.start()
+    th.join()
+    assert isinstance(caught[0], RuntimeError) and "needs MPI_THREAD_MULTIPLE" in str(caught[0])
+
+
+def _capture(call: Callable[[], Any]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+# --- random communication schedules, the same on every rank -------------------------------------------
+
+_SUBGROUP: list[dist.ProcessGroup] = []
+
+
+def _subgroup() -> dist.ProcessGroup:
+    """The even ranks (created once; every rank takes part)."""
+    if not _SUBGROUP:
+        _SUBGROUP.append(dist.new_group(list(range(0, SIZE, 2))))
+    return _SUBGROUP[0]
+
+
+_SIZES = [0, 1, 8, 100, 4096, 65536, 1 << 20]
+_DTYPES = ["uint8", "int32", "float64", "complex64"]
+_message = st.tuples(
+    st.integers(0, 3),  # source (modulo the world size)
+    st.integers(0, 3),  # destination
+    st.sampled_from(_SIZES),  # bytes (at most)
+    st.sampled_from(_DTYPES),
+    st.booleans(),  # strided
+    st.booleans(),  # in the subgroup of even ranks
+    st.booleans(),  # in the batch (else a single isend/irecv)
+)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(schedule=st.lists(_message, min_size=1, max_size=12))
+def test_random_schedules(schedule: list[tuple[int, int, int, str, bool, bool, bool]]) -> None:
+    """Every rank draws the same schedule, posts its part, and checks each received element."""
+    sub = _subgroup()
+    evens = list(range(0, SIZE, 2))
+    batch_ops: list[dist.P2POp] = []
+    singles: list[dist.Work] = []
+    checks: list[tuple[np.ndarray, np.ndarray]] = []
+    for index, (s, d, nbytes, dtype, strided, in_sub, batched) in enumerate(schedule):
+        group = sub if in_sub else None
+        members = evens if in_sub else list(range(SIZE))
+        src, dst = members[s % len(members)], members[d % len(members)]
+        itemsize = np.dtype(dtype).itemsize
+        count = nbytes // itemsize
+        values = (np.arange(count) * 3 + index).astype(dtype)
+        tag = 1000 + index
+        if src == RANK:
+            out = np.zeros(count * 2, dtype=dtype)[::2] if strided else np.zeros(count, dtype=dtype)
+            out[...] = values
+            peer = {"group_peer": members.index(dst)} if in_sub else {"peer": dst}
+            if batched:
+                batch_ops.append(dist.P2POp(dist.isend, out, group=group, tag=tag, **peer))
+            else:
+                w = dist.isend(
+                    out, group=group, tag=tag, **({"group_dst": members.index(dst)} if in_sub else {"dst": dst})
+                )
+                assert w is not None
+                singles.append(w)
+        if dst == RANK:
+            into = np.full((count, 2), 7, dtype=dtype)[:, 0] if strided else np.full(count, 7, dtype=dtype)
+            peer = {"group_peer": members.index(src)} if in_sub else {"peer": src}
+            if batched:
+                batch_ops.append(dist.P2POp(dist.irecv, into, group=group, tag=tag, **peer))
+            else:
+                w = dist.irecv(
+                    into, group=group, tag=tag, **({"group_src": members.index(src)} if in_sub else {"src": src})
+                )
+                assert w is not None
+                singles.append(w)
+            checks.append((into, values))
+    by_group: dict[int, list[dist.P2POp]] = {}
+    for op in batch_ops:
+        by_group.setdefault(id(op.group), []).append(op)
+    works = [dist.batch_isend_irecv(ops) for ops in by_group.values()]
+    for w in works:
+        w.wait(timeout=WAIT)
+    for s_ in singles:
+        s_.wait(timeout=WAIT)
+    ok = all(np.array_equal(got, want) for got, want in checks)
+    assert MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND), f"rank {RANK} ok={ok}"
