@@ -87,8 +87,8 @@ def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Reso
 
 def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
     sender = _decode(header)
-    source = work._source if work._source >= 0 else work._group._global(work._peer)
-    source = None if source < 0 else source
+    known = work._source if work._source >= 0 else work._group._global(work._peer)
+    source = None if known < 0 else known
     where = f"irecv from rank {source if source is not None else '?'} tag {work._tag}"
     expected = work._nbytes - HEADER_BYTES
     if isinstance(error, MessageSizeError):
