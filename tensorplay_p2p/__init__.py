@@ -25,6 +25,7 @@ from .groups import (
 )
 from .halo import HaloExchange
 from .ops import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .plan import P2PPlan
 from .runtime import (
     checked_mode,
     destroy_process_group,
@@ -48,6 +49,7 @@ __all__ = [
     "MessageMismatchError",
     "MessageSizeError",
     "P2POp",
+    "P2PPlan",
     "ProcessGroup",
     "Work",
     "barrier",

@@ -571,6 +571,18 @@ def exchange_tensorplay_isend(s: Setting) -> Loop:
     return Loop(timed(body))
 
 
+def exchange_tensorplay_plan(s: Setting) -> Loop:
+    """The same exchange as a P2PPlan (persistent requests), one exchange() per step."""
+    out, into, peer = filled(s.size), empty(s.size), s.peer
+    plan = tp.P2PPlan([tp.P2POp(tp.irecv, into, peer), tp.P2POp(tp.isend, out, peer)])
+
+    def body(n: int) -> None:
+        for _ in range(n):
+            plan.exchange()
+
+    return Loop(timed(body))
+
+
 def exchange_mpi4py(s: Setting) -> Loop:
     """Irecv + Isend and one Waitall."""
     out, into, peer = filled(s.size), empty(s.size), s.peer
@@ -803,6 +815,7 @@ PATTERNS: dict[str, Pattern] = {
             series=(
                 Series("tensorplay", "tensorplay", exchange_tensorplay_batch),
                 Series("tensorplay[isend]", "tensorplay", exchange_tensorplay_isend),
+                Series("tensorplay[plan]", "tensorplay", exchange_tensorplay_plan),
                 Series("mpi4py", "mpi4py", exchange_mpi4py),
                 Series("gloo", "gloo", exchange_gloo),
             ),

@@ -186,12 +186,12 @@ class P2POp:
         )
 
 
-def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
-    """Post every op, in order, after checking them all; returns one BatchWork completed by a single Waitall."""
+def batch_group(p2p_op_list: Sequence[P2POp], what: str) -> ProcessGroup | None:
+    """Check a non-empty list of P2POps of one group; returns that group, or None (warned) for a non-member."""
     if isinstance(p2p_op_list, (str, bytes)) or not isinstance(p2p_op_list, Sequence):
-        raise TypeError(f"batch_isend_irecv expects a list of P2POp, got {type(p2p_op_list).__name__}")
+        raise TypeError(f"{what} expects a list of P2POp, got {type(p2p_op_list).__name__}")
     if not p2p_op_list:
-        return BatchWork()
+        raise ValueError(f"{what} needs at least one P2POp")
     first = p2p_op_list[0]
     for i, p2p in enumerate(p2p_op_list):
         if not isinstance(p2p, P2POp):
@@ -200,7 +200,14 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
             )
         if (p2p.group or GroupMember.WORLD) is not (first.group or GroupMember.WORLD):
             raise ValueError(f"All ops need to use the same group (item {i} differs from item 0)")
-    pg = member_group(first.group, "batch_isend_irecv")
+    return member_group(first.group, what)
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
+    """Post every op, in order, after checking them all; returns one BatchWork completed by a single Waitall."""
+    if not p2p_op_list and isinstance(p2p_op_list, Sequence):
+        return BatchWork()
+    pg = batch_group(p2p_op_list, "batch_isend_irecv")
     if pg is None:
         return BatchWork()
     try:

@@ -29,7 +29,8 @@ def expected_rows() -> set[tuple[str, str, int]]:
     rows = {("halo2d", series, edge) for series in ("tensorplay", "mpi4py") for edge in (8, 16)}
     if SIZE >= 2:
         for pattern in PAIRED:
-            names = ("tensorplay", "tensorplay[isend]", "mpi4py") if pattern == "exchange" else ("tensorplay", "mpi4py")
+            exchange_series = ("tensorplay", "tensorplay[isend]", "tensorplay[plan]", "mpi4py")
+            names = exchange_series if pattern == "exchange" else ("tensorplay", "mpi4py")
             rows |= {(pattern, series, 1 << k) for series in names for k in range(7)}
     return rows
 

@@ -1,0 +1,282 @@
+"""Persistent exchanges: messages built once as MPI persistent requests, then one Startall and one Waitall a step.
+
+The base of ``HaloExchange`` and ``P2PPlan``.  Each message is a region of a tensor (all of it,
+or a face) described as a derived datatype over the tensor in place; device tensors go to MPI
+directly when it is CUDA-aware (after the producer's stream is synchronised on ``start``), or
+through page-locked host buffers held for the exchange's lifetime otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+from . import buffers, devices, layouts, watchdog
+from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
+from .groups import ProcessGroup
+from .runtime import _seconds
+
+__all__ = ["PersistentExchange"]
+
+_BYTE = MPI.BYTE
+_Startall = MPI.Prequest.Startall
+_Waitall = MPI.Request.Waitall
+
+
+class _Message(NamedTuple):
+    """One persistent message."""
+
+    receive: bool
+    tensor: int  # index of the tensor it reads or writes
+    peer: int  # group rank
+    tag: int
+    nbytes: int
+    region: tuple[slice, ...] | None  # the part of the tensor (None: all of it)
+    host: np.ndarray | None  # staging buffer (device tensors without CUDA-aware MPI)
+    label: str  # names the message in reports
+
+
+class PersistentExchange:
+    """Persistent requests over tensors in place: ``start()``, ``wait()``, ``exchange()``, ``close()``."""
+
+    _what = "exchange"
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self._closed = True  # until the MPI resources exist, there is nothing to close
+        self._requests: list[MPI.Prequest] = []
+        self._datatypes: list[MPI.Datatype] = []
+        self._messages: list[_Message] = []
+        self._statuses: list[MPI.Status] = []
+        self._receives: list[tuple[MPI.Status, _Message]] = []
+        self._synchronized: list[buffers.Memory] = []
+        self._movable: list[tuple[int, Any, int]] = []
+        self._plain = False
+        self._tensors: list[Any] = []
+        self._memories: list[buffers.Memory] = []
+        self._group = group
+        self._active = False
+        self._staged = False
+        self._started = self._posted = 0.0
+
+    def _describe_tensors(self, tensors: list[Any], writable: list[bool]) -> None:
+        self._tensors = tensors
+        self._memories = [
+            buffers.memory(t, w, f"{self._what} tensor {i}")
+            for i, (t, w) in enumerate(zip(tensors, writable, strict=True))
+        ]
+        self._staged = any(m.adapter is not None for m in self._memories) and not devices.cuda_support().aware
+        self._closed = False
+
+    def _add(
+        self,
+        comm: MPI.Intracomm,
+        tensor: int,
+        region: tuple[slice, ...] | None,
+        peer: int,
+        tag: int,
+        receive: bool,
+        label: str,
+    ) -> None:
+        """Build the persistent request for ``region`` of tensor ``tensor`` (nothing for a PROC_NULL peer)."""
+        if peer == MPI.PROC_NULL:
+            return
+        m = self._memories[tensor]
+        shape = m.shape if region is None else tuple(r.stop - r.start for r in region)
+        offset = 0 if region is None else sum(r.start * s for r, s in zip(region, m.strides, strict=True))
+        layout = buffers.plan(m._replace(shape=shape), receive, f"{self._what} {label}")
+        host = None
+        if self._staged and m.adapter is not None:
+            host = devices.staging_pool.take(m.adapter, layout.nbytes)
+            spec: list[Any] = [host, layout.nbytes, MPI.BYTE]
+        else:
+            datatype = None
+            if not layout.contiguous:
+                datatype = layouts.build(layout)  # owned: a persistent request outlives cache evictions
+                self._datatypes.append(datatype)
+            spec = buffers.spec(m.address + offset, layout, datatype)
+        request = comm.Recv_init(spec, peer, tag) if receive else comm.Send_init(spec, peer, tag)
+        self._requests.append(request)
+        self._messages.append(_Message(receive, tensor, peer, tag, layout.nbytes, region, host, label))
+
+    def _ready(self) -> None:
+        """Precompute what every step needs, so that a step does no more than it must."""
+        self._statuses = [MPI.Status() for _ in self._requests]
+        self._receives = [(s, m) for s, m in zip(self._statuses, self._messages, strict=True) if m.receive]
+        self._synchronized = [] if self._staged else [m for m in self._memories if m.adapter is not None]
+        self._plain = not self._synchronized and not self._staged
+        self._movable = [
+            (i, t.data_ptr, m.address)
+            for i, (t, m) in enumerate(zip(self._tensors, self._memories, strict=True))
+            if callable(getattr(t, "data_ptr", None))
+        ]
+        self._plain = self._plain and not self._movable and bool(self._requests)
+
+    def _part(self, message: _Message) -> Any:
+        array = self._memories[message.tensor].array
+        return array if message.region is None else array[message.region]
+
+    # --- the step -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Post every message of the step (one ``Startall``); other work can go on meanwhile."""
+        if self._closed:
+            raise RuntimeError(f"{self._what}.start: it has been closed")
+        if self._active:
+            raise RuntimeError(f"{self._what}.start: the previous step has not been waited for")
+        for i, data_ptr, address in self._movable:
+            if data_ptr() != address:
+                raise RuntimeError(
+                    f"{self._what}: tensor {i} was reallocated (resize_/set_) after it was built; build a new one"
+                )
+        for m in self._synchronized:
+            m.adapter.synchronize(m.array)  # type: ignore[union-attr]
+        if self._staged:
+            for message in self._messages:
+                if not message.receive and message.host is not None:
+                    adapter = self._memories[message.tensor].adapter
+                    assert adapter is not None
+                    adapter.to_host(self._part(message), message.host)
+        if self._requests:
+            MPI.Prequest.Startall(self._requests)
+        self._active = True
+        self._started = self._posted = time.monotonic()
+        if watchdog.active:
+            watchdog.track(self)
+
+    def wait(self, timeout: timedelta | float | None = None) -> None:
+        """Complete the step (one ``Waitall``); received regions are filled on return."""
+        if not self._active:
+            raise RuntimeError(f"{self._what}.wait: start() was not called")
+        seconds = None if timeout is None else _seconds(timeout, "timeout")
+        try:
+            if seconds is None:
+                MPI.Request.Waitall(self._requests, self._statuses)
+            else:
+                self._poll(seconds)
+        except MPI.Exception as exc:
+            self._active = False
+            watchdog.untrack(self)
+            raise CommunicationError(
+                f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip()
+            ) from exc
+        self._active = False
+        if watchdog.active:
+            watchdog.untrack(self)
+        for status, message in self._receives:
+            if status.Get_count(_BYTE) != message.nbytes:
+                self._size_error(status, message)
+        if self._staged:
+            for message in self._messages:
+                if message.receive and message.host is not None:
+                    adapter = self._memories[message.tensor].adapter
+                    assert adapter is not None
+                    adapter.from_host(message.host, self._part(message))
+
+    def _size_error(self, status: MPI.Status, message: _Message) -> None:
+        raise MessageSizeError(
+            f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
+            f"(tag {message.tag}) has {status.Get_count(MPI.BYTE)} bytes where {message.nbytes} were "
+            "expected; do both sides describe the same shapes?",
+            op="irecv",
+            peer=self._group._global(message.peer),
+            tag=message.tag,
+            expected=message.nbytes,
+            received=status.Get_count(MPI.BYTE),
+        )
+
+    def exchange(self, timeout: timedelta | float | None = None) -> None:
+        """One whole step: ``start()`` then ``wait()``."""
+        if timeout is None and self._plain and not self._active and not self._closed and not watchdog.active:
+            try:  # host tensors that cannot move: nothing to do around the two MPI calls but the size check
+                _Startall(self._requests)
+                _Waitall(self._requests, self._statuses)
+            except MPI.Exception as exc:
+                raise CommunicationError(
+                    f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip()
+                ) from exc
+            for status, message in self._receives:
+                if status.Get_count(_BYTE) != message.nbytes:
+                    self._size_error(status, message)
+            return
+        self.start()
+        self.wait(timeout)
+
+    def _poll(self, seconds: float) -> None:
+        deadline = self._started + seconds
+        pause = 1e-6
+        while not MPI.Request.Testall(self._requests, self._statuses):
+            now = time.monotonic()
+            if now >= deadline:
+                pending = [
+                    self._describe(message, now)
+                    for message, request in zip(self._messages, self._requests, strict=True)
+                    if not request.Test()
+                ]
+                if not pending:
+                    return
+                raise CommunicationTimeout(
+                    f"{self._what}: timed out after {seconds:g} s with {len(pending)} message(s) pending on global "
+                    f"rank {MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(pending),
+                    pending=tuple(pending),
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def pending_lines(self, now: float) -> list[str]:
+        """For the watchdog: the messages of the step in flight (untested: another thread waits on them)."""
+        if not self._active:
+            return []
+        return [self._describe(m, now) + " (this step)" for m in self._messages]
+
+    def _describe(self, message: _Message, now: float) -> str:
+        verb, direction = ("irecv", "from") if message.receive else ("isend", "to")
+        return (
+            f"{self._what}: {verb} {direction} {self._group._peer_text(message.peer)} (group rank {message.peer}), "
+            f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, pending for "
+            f"{now - self._started:.1f} s"
+        )
+
+    # --- life cycle ------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> int:
+        """Number of MPI messages (sends and receives) this rank posts per step."""
+        return len(self._requests)
+
+    def close(self) -> None:
+        """Free the persistent requests, datatypes and staging buffers (waits for a step in flight)."""
+        if self._closed:
+            return
+        self._closed = True
+        if MPI.Is_finalized():
+            return
+        if self._active:
+            MPI.Request.Waitall(self._requests)
+            self._active = False
+            watchdog.untrack(self)
+        for request in self._requests:
+            request.Free()
+        for datatype in self._datatypes:
+            datatype.Free()
+        for message in self._messages:
+            if message.host is not None:
+                devices.staging_pool.give(message.host)
+        self._requests.clear()
+        self._datatypes.clear()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

@@ -1,0 +1,55 @@
+"""P2PPlan: a batch of P2POps built once as persistent requests, for the same exchange every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from . import buffers
+from .ops import P2POp, batch_group, irecv
+from .persistent import PersistentExchange
+from .runtime import _state
+
+__all__ = ["P2PPlan"]
+
+
+class P2PPlan(PersistentExchange):
+    """``batch_isend_irecv`` for an exchange repeated every step: checked once, then one Startall and one Waitall.
+
+    The ops' tensors must stay where they are (same memory) for the plan's lifetime; their contents
+    may change freely between steps.
+    """
+
+    _what = "P2PPlan"
+
+    def __init__(self, p2p_op_list: Sequence[P2POp]) -> None:
+        pg = batch_group(p2p_op_list, "P2PPlan")
+        if pg is None:
+            raise ValueError("P2PPlan: this process is not a member of the ops' group")
+        if _state.checked:
+            raise RuntimeError("P2PPlan: checked mode is on, and plan messages carry no header; use batch_isend_irecv")
+        super().__init__(pg)
+        comm = pg._live_comm("P2PPlan")
+        receiving = [p2p.op is irecv for p2p in p2p_op_list]
+        self._describe_tensors([p2p.tensor for p2p in p2p_op_list], receiving)
+        try:
+            if len(p2p_op_list) > 1:
+                buffers.check_disjoint(
+                    [
+                        (r, buffers.spec(m.address, buffers.plan(m, r, "P2PPlan")))
+                        for r, m in zip(receiving, self._memories, strict=True)
+                    ],
+                    "P2PPlan",
+                )
+            for i, (p2p, r) in enumerate(zip(p2p_op_list, receiving, strict=True)):
+                self._add(comm, i, None, p2p.group_peer, p2p.tag, r, f"item {i} ({'irecv' if r else 'isend'})")
+        except BaseException:
+            self.close()
+            raise
+        self._ready()
+
+    def __enter__(self) -> P2PPlan:
+        return self
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("active" if self._active else "ready")
+        return f"P2PPlan({self.messages} messages per step on group {self._group.name!r}, {state})"

@@ -1,0 +1,88 @@
+"""P2PPlan: a batch built once as persistent requests, reposted every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakedevice import FakeAdapter, FakeDeviceArray
+from mpi4py import MPI
+
+import tensorplay_p2p as dist
+from tensorplay_p2p import devices
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+WAIT = 60.0
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def test_plan_repeats_the_exchange_with_new_contents() -> None:
+    out = np.zeros((4, 6))
+    column = np.zeros(4)
+    into = np.zeros((4, 2))
+    with dist.P2PPlan(
+        [
+            dist.P2POp(dist.isend, out[:, 1:3], NEXT, tag=1),  # strided, through an owned datatype
+            dist.P2POp(dist.irecv, into, PREV, tag=1),
+            dist.P2POp(dist.isend, out[:, 5], PREV, tag=2),
+            dist.P2POp(dist.irecv, column, NEXT, tag=2),
+        ]
+    ) as plan:
+        assert plan.messages == 4
+        for step in range(5):
+            out[...] = 100 * step + RANK
+            if step % 2:
+                plan.exchange(timeout=WAIT)
+            else:
+                plan.start()
+                plan.wait(timeout=WAIT)
+            np.testing.assert_array_equal(into, np.full((4, 2), 100.0 * step + PREV))
+            np.testing.assert_array_equal(column, np.full(4, 100.0 * step + NEXT))
+    with pytest.raises(RuntimeError, match="closed"):
+        plan.exchange()
+
+
+def test_plan_size_mismatch_and_refusals() -> None:
+    with (
+        dist.P2PPlan(
+            [
+                dist.P2POp(dist.isend, np.zeros(3, dtype=np.uint8), NEXT, tag=3),
+                dist.P2POp(dist.irecv, np.zeros(4, dtype=np.uint8), PREV, tag=3),
+            ]
+        ) as plan,
+        pytest.raises(dist.MessageSizeError, match="has 3 bytes where 4 were expected"),
+    ):
+        plan.exchange(timeout=WAIT)
+    buf = np.zeros(4)
+    with pytest.raises(ValueError, match="items 0 and 1 share memory"):
+        dist.P2PPlan([dist.P2POp(dist.isend, buf, NEXT), dist.P2POp(dist.irecv, buf, PREV)])
+    with pytest.raises(ValueError, match="needs at least one P2POp"):
+        dist.P2PPlan([])
+    with pytest.raises(TypeError, match="expects a list of P2POp"):
+        dist.P2PPlan(dist.P2POp(dist.isend, buf, NEXT))  # type: ignore[arg-type]
+
+
+def test_plan_detects_a_reallocated_torch_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4)
+    plan = dist.P2PPlan([dist.P2POp(dist.isend, t, RANK, tag=4), dist.P2POp(dist.irecv, torch.zeros(4), RANK, tag=4)])
+    plan.exchange(timeout=WAIT)
+    t.resize_(10_000)
+    with pytest.raises(RuntimeError, match="tensor 0 was reallocated"):
+        plan.exchange()
+    plan.close()
+
+
+def test_plan_with_staged_device_tensors(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    out = FakeDeviceArray(np.zeros(5))
+    into = FakeDeviceArray(np.zeros(5))
+    with dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]) as plan:
+        for step in range(3):
+            out.array[...] = step + RANK
+            plan.exchange(timeout=WAIT)
+            np.testing.assert_array_equal(into.array, np.full(5, float(step + PREV)))
+    assert devices.staging_pool.in_use == 0
+    assert fake.log.count("to_host") == 3 and fake.log.count("from_host") == 3
