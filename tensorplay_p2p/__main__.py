@@ -1,0 +1,7 @@
+"""``python -m tensorplay_p2p``: the ``tensorplay-p2p`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

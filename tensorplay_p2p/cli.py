@@ -1,0 +1,238 @@
+"""The ``tensorplay-p2p`` command: ``info``, ``selftest``, ``bench`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+_FRAMEWORKS = ("numpy", "torch", "cupy", "tensorplay")
+_THREAD_LEVELS = {
+    0: "MPI_THREAD_SINGLE",
+    1: "MPI_THREAD_FUNNELED",
+    2: "MPI_THREAD_SERIALIZED",
+    3: "MPI_THREAD_MULTIPLE",
+}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None if importlib.util.find_spec(package) is None else "unknown"
+
+
+def collect_info() -> dict[str, Any]:
+    """What a cluster user checks first: the MPI library, threads, CUDA-awareness, ranks, frameworks."""
+    import mpi4py
+    from mpi4py import MPI
+
+    import tensorplay_p2p as dist
+
+    comm = MPI.COMM_WORLD
+    hosts = comm.gather(socket.gethostname(), root=0)
+    support = dist.cuda_support()
+    return {
+        "tensorplay_p2p": dist.__version__,
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "mpi4py": mpi4py.__version__,
+        "mpi4py_build": {k: str(v) for k, v in mpi4py.get_config().items()},
+        "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "cuda_aware": support.aware,
+        "cuda_aware_reason": support.reason,
+        "checked_mode": dist.checked_mode(),
+        "world_size": comm.Get_size(),
+        "hosts": hosts,
+        "frameworks": {name: _version(name) for name in _FRAMEWORKS},
+    }
+
+
+def _info(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    info = collect_info()
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return 0
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    hosts: list[str] = info["hosts"]
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    print(f"tensorplay_p2p {info['tensorplay_p2p']}")
+    print(f"MPI library     {info['mpi_library']} (MPI {info['mpi_standard']})")
+    print(f"mpi4py          {info['mpi4py']}")
+    print(f"thread level    {info['thread_level']}")
+    print(f"CUDA-aware      {'yes' if info['cuda_aware'] else 'no'} ({info['cuda_aware_reason']})")
+    print(f"checked mode    {'on' if info['checked_mode'] else 'off'}")
+    print(f"world size      {info['world_size']} rank(s) on {len(by_host)} host(s)")
+    for host, ranks in by_host.items():
+        shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+        print(f"  {host}: ranks {shown}")
+    found = ", ".join(f"{name} {version}" for name, version in info["frameworks"].items() if version)
+    print(f"frameworks      {found or 'none'}")
+    return 0
+
+
+# --- selftest ----------------------------------------------------------------------------------
+
+
+def _check_ring(timeout: float) -> str:
+    import numpy as np
+
+    import tensorplay_p2p as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    into = np.zeros(1024)
+    ops = [
+        dist.P2POp(dist.isend, np.full(1024, float(rank)), (rank + 1) % size),
+        dist.P2POp(dist.irecv, into, (rank - 1) % size),
+    ]
+    dist.batch_isend_irecv(ops).wait(timeout=timeout)
+    assert np.all(into == (rank - 1) % size), "wrong data from the left neighbour"
+    return f"{size} rank(s), 8 KiB each"
+
+
+def _check_all_pairs(timeout: float) -> str:
+    import numpy as np
+
+    import tensorplay_p2p as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    into = [np.zeros(16, dtype=np.int64) for _ in range(size)]
+    ops = [dist.P2POp(dist.irecv, into[src], src, tag=1) for src in range(size)]
+    ops += [dist.P2POp(dist.isend, np.full(16, rank * size + dst, dtype=np.int64), dst, tag=1) for dst in range(size)]
+    dist.batch_isend_irecv(ops).wait(timeout=timeout)
+    for src in range(size):
+        assert np.all(into[src] == src * size + rank), f"wrong data from rank {src}"
+    return f"{2 * size} ops in one batch"
+
+
+def _check_strided(timeout: float) -> str:
+    import numpy as np
+
+    import tensorplay_p2p as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    block = np.arange(64.0).reshape(8, 8) + 100 * rank
+    into = np.full((8, 10), -1.0)
+    ops = [
+        dist.P2POp(dist.isend, block[:, 3], (rank + 1) % size, tag=2),
+        dist.P2POp(dist.irecv, into[:, 9], (rank - 1) % size, tag=2),
+    ]
+    dist.batch_isend_irecv(ops).wait(timeout=timeout)
+    left = (rank - 1) % size
+    assert np.array_equal(into[:, 9], np.arange(64.0).reshape(8, 8)[:, 3] + 100 * left), "wrong column"
+    assert np.all(into[:, :9] == -1.0), "a strided receive wrote outside its column"
+    return "a column sent and received in place"
+
+
+def _check_halo(timeout: float) -> str:
+    import numpy as np
+
+    import tensorplay_p2p as dist
+
+    cart = dist.new_cart_group([0, 0], periods=True)
+    n = 6
+    field = np.zeros((n + 2, n + 2))
+    field[1:-1, 1:-1] = cart.rank() + 1
+    with dist.HaloExchange(field, cart, corners=True) as halo:
+        halo.exchange(timeout=timeout)
+    north = cart.neighbor((-1, 0))
+    corner = cart.neighbor((1, 1))
+    assert np.all(field[0, 1:-1] == north + 1), "wrong north ghost row"
+    assert field[-1, -1] == corner + 1, "wrong corner ghost"
+    dims = "x".join(map(str, cart.dims))
+    dist.destroy_process_group(cart)
+    return f"{dims} periodic grid, corners"
+
+
+_CHECKS: list[tuple[str, Callable[[float], str]]] = [
+    ("ring exchange", _check_ring),
+    ("all-pairs batch", _check_all_pairs),
+    ("strided face", _check_strided),
+    ("2-D halo exchange", _check_halo),
+]
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    failures = 0
+    rank = MPI.COMM_WORLD.Get_rank()
+    for name, check in _CHECKS:
+        start = time.monotonic()
+        try:
+            detail, ok = check(args.timeout), True
+        except Exception as exc:  # each check reports, then the next one runs
+            detail, ok = f"{type(exc).__name__}: {exc}".splitlines()[0], False
+        everywhere = MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND)
+        failures += not everywhere
+        if rank == 0 or not ok:
+            verdict = "PASS" if everywhere else "FAIL"
+            where = "" if rank == 0 else f" [rank {rank}]"
+            print(f"{verdict}  {name}: {detail} ({time.monotonic() - start:.2f} s){where}", flush=True)
+    if rank == 0:
+        passed, ranks = len(_CHECKS) - failures, MPI.COMM_WORLD.Get_size()
+        print(f"selftest: {passed} of {len(_CHECKS)} checks passed on {ranks} rank(s)")
+    return 1 if failures else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.main(list(args.args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import run
+
+    run.main(list(args.args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``tensorplay-p2p``."""
+    parser = argparse.ArgumentParser(
+        prog="tensorplay-p2p", description="torch.distributed-style point-to-point communication on MPI."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = commands.add_parser("info", help="MPI library, threads, CUDA-awareness, ranks and hosts, frameworks")
+    info.add_argument("--json", action="store_true", help="print JSON for scripts")
+    info.set_defaults(handler=_info)
+    selftest = commands.add_parser("selftest", help="quick correctness checks at the current world size")
+    selftest.add_argument("--timeout", type=float, default=60.0, help="seconds each check may wait (default 60)")
+    selftest.set_defaults(handler=_selftest)
+    bench = commands.add_parser("bench", help="OSU-style benchmarks (arguments as python -m tensorplay_p2p.bench)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="benchmark arguments (see bench --help)")
+    bench.set_defaults(handler=_bench)
+    run = commands.add_parser("run", help="run a script; an exception on any rank aborts the whole job")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="script.py [args...] | -m module | -c code")
+    run.set_defaults(handler=_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tensorplay-p2p`` and ``python -m tensorplay_p2p``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("bench", "run") and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after the subcommand belongs to it, options included (argparse would claim them)
+        forward = {"bench": _bench, "run": _run}[argv[0]]
+        return forward(argparse.Namespace(args=argv[1:]))
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
