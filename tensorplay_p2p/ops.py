@@ -130,7 +130,8 @@ def recv(
 
 
 class P2POp:
-    """One point-to-point operation for ``batch_isend_irecv``; checked and resolved at construction, then immutable."""
+    """One point-to-point operation for ``batch_isend_irecv``: op, peer, group and tag are checked when it is
+    built and it is immutable afterwards; the tensor is checked when the batch is posted."""
 
     __slots__ = ("group", "group_peer", "op", "peer", "tag", "tensor")
     group: ProcessGroup | None

@@ -161,9 +161,7 @@ class PersistentExchange:
         except MPI.Exception as exc:
             self._active = False
             watchdog.untrack(self)
-            raise CommunicationError(
-                f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip()
-            ) from exc
+            raise self._failure(exc) from exc
         self._active = False
         if watchdog.active:
             watchdog.untrack(self)
@@ -176,6 +174,23 @@ class PersistentExchange:
                     adapter = self._memories[message.tensor].adapter
                     assert adapter is not None
                     adapter.from_host(message.host, self._part(message))
+
+    def _failure(self, exc: MPI.Exception) -> CommunicationError:
+        """The error for a failed step: MessageSizeError when a message was longer than its region."""
+        if exc.Get_error_class() == MPI.ERR_IN_STATUS:
+            for status, message in self._receives:
+                if MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
+                    return MessageSizeError(
+                        f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
+                        f"(tag {message.tag}) is longer than the {message.nbytes} bytes expected; do both sides "
+                        "describe the same shapes?",
+                        op="irecv",
+                        peer=self._group._global(message.peer),
+                        tag=message.tag,
+                        expected=message.nbytes,
+                        received=None,
+                    )
+        return CommunicationError(f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip())
 
     def _size_error(self, status: MPI.Status, message: _Message) -> None:
         raise MessageSizeError(
@@ -196,9 +211,7 @@ class PersistentExchange:
                 _Startall(self._requests)
                 _Waitall(self._requests, self._statuses)
             except MPI.Exception as exc:
-                raise CommunicationError(
-                    f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip()
-                ) from exc
+                raise self._failure(exc) from exc
             for status, message in self._receives:
                 if status.Get_count(_BYTE) != message.nbytes:
                     self._size_error(status, message)
@@ -207,7 +220,7 @@ class PersistentExchange:
         self.wait(timeout)
 
     def _poll(self, seconds: float) -> None:
-        deadline = self._started + seconds
+        deadline = time.monotonic() + seconds  # from the wait, as for Work.wait
         pause = 1e-6
         while not MPI.Request.Testall(self._requests, self._statuses):
             now = time.monotonic()

@@ -151,4 +151,5 @@ def get_backend(group: ProcessGroup | None = None) -> str:
     pg = groups._resolve(group)
     if not pg.is_member:
         raise ValueError(f"get_backend: {pg.describe()}")
+    pg._live_comm("get_backend")
     return "mpi"

@@ -86,3 +86,16 @@ def test_plan_with_staged_device_tensors(fake: FakeAdapter) -> None:
             np.testing.assert_array_equal(into.array, np.full(5, float(step + PREV)))
     assert devices.staging_pool.in_use == 0
     assert fake.log.count("to_host") == 3 and fake.log.count("from_host") == 3
+
+
+def test_plan_longer_message_is_a_size_error() -> None:
+    with (
+        dist.P2PPlan(
+            [
+                dist.P2POp(dist.isend, np.zeros(6, dtype=np.uint8), NEXT, tag=5),
+                dist.P2POp(dist.irecv, np.zeros(4, dtype=np.uint8), PREV, tag=5),
+            ]
+        ) as plan,
+        pytest.raises(dist.MessageSizeError, match="is longer than the 4 bytes expected"),
+    ):
+        plan.exchange(timeout=WAIT)

@@ -13,28 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices, layouts, work
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 120.0
-
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-def exchange_and_check(tag: int, value: float) -> None:
-    """A correct ring exchange on ``tag``: proves that the failed call left nothing posted on it."""
-    into = np.zeros(4)
-    dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, np.full(4, value + RANK), NEXT, tag=tag),
-            dist.P2POp(dist.irecv, into, PREV, tag=tag),
-        ]
-    ).wait(timeout=WAIT)
-    np.testing.assert_array_equal(into, np.full(4, value + PREV))
 
 
 def _released() -> memoryview:

@@ -6,27 +6,11 @@ import numpy as np
 import pytest
 from arraykinds import ArrayKind
 from mpi4py import MPI
+from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check
 
 import tensorplay_p2p as dist
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0
-
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-def exchange_and_check(tag: int, value: float) -> None:
-    """A correct ring exchange on ``tag``; proves that nothing stale was left posted on it."""
-    into = np.zeros(4)
-    dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, np.full(4, value + RANK), NEXT, tag=tag),
-            dist.P2POp(dist.irecv, into, PREV, tag=tag),
-        ]
-    ).wait(timeout=WAIT)
-    np.testing.assert_array_equal(into, np.full(4, value + PREV))
 
 
 def test_p2pop_peer_forms() -> None:
