@@ -167,7 +167,7 @@ class PersistentExchange:
             watchdog.untrack(self)
         for status, message in self._receives:
             if status.Get_count(_BYTE) != message.nbytes:
-                self._size_error(status, message)
+                raise self._size_error(message, status.Get_count(_BYTE))
         if self._staged:
             for message in self._messages:
                 if message.receive and message.host is not None:
@@ -180,28 +180,23 @@ class PersistentExchange:
         if exc.Get_error_class() == MPI.ERR_IN_STATUS:
             for status, message in self._receives:
                 if MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
-                    return MessageSizeError(
-                        f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
-                        f"(tag {message.tag}) is longer than the {message.nbytes} bytes expected; do both sides "
-                        "describe the same shapes?",
-                        op="irecv",
-                        peer=self._group._global(message.peer),
-                        tag=message.tag,
-                        expected=message.nbytes,
-                        received=None,
-                    )
+                    return self._size_error(message, None)
         return CommunicationError(f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip())
 
-    def _size_error(self, status: MPI.Status, message: _Message) -> None:
-        raise MessageSizeError(
+    def _size_error(self, message: _Message, received: int | None) -> MessageSizeError:
+        """A message of the wrong size for ``message``'s region (``received`` None: longer, size unknown)."""
+        if received is None:
+            size = f"is longer than the {message.nbytes} bytes expected"
+        else:
+            size = f"has {received} bytes where {message.nbytes} were expected"
+        return MessageSizeError(
             f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
-            f"(tag {message.tag}) has {status.Get_count(MPI.BYTE)} bytes where {message.nbytes} were "
-            "expected; do both sides describe the same shapes?",
+            f"(tag {message.tag}) {size}; do both sides describe the same shapes?",
             op="irecv",
             peer=self._group._global(message.peer),
             tag=message.tag,
             expected=message.nbytes,
-            received=status.Get_count(MPI.BYTE),
+            received=received,
         )
 
     def exchange(self, timeout: timedelta | float | None = None) -> None:
@@ -214,7 +209,7 @@ class PersistentExchange:
                 raise self._failure(exc) from exc
             for status, message in self._receives:
                 if status.Get_count(_BYTE) != message.nbytes:
-                    self._size_error(status, message)
+                    raise self._size_error(message, status.Get_count(_BYTE))
             return
         self.start()
         self.wait(timeout)
