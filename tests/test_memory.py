@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -37,6 +39,9 @@ def _reset_peak() -> bool:
 def test_large_exchange_adds_no_copy(layout: str) -> None:
     if SIZE != 2:
         pytest.skip("measured at 2 ranks: 256 MiB strided exchanges are slow on an oversubscribed machine")
+    if layout == "strided" and os.environ.get("MPIR_CVAR_NOLOCAL") == "1":
+        # measured: MPICH's network path (UCX) packs a non-contiguous message into a temporary of its size
+        pytest.skip("MPICH's network path packs strided messages itself (+256 MiB measured); not ours to avoid")
     n = 256 * MiB // 8
     if layout == "contiguous":
         out, into = np.full(n, float(RANK)), np.full(n, -1.0)
