@@ -15,12 +15,6 @@ from typing import Any
 __all__ = ["main"]
 
 _FRAMEWORKS = ("numpy", "torch", "cupy", "tensorplay")
-_THREAD_LEVELS = {
-    0: "MPI_THREAD_SINGLE",
-    1: "MPI_THREAD_FUNNELED",
-    2: "MPI_THREAD_SERIALIZED",
-    3: "MPI_THREAD_MULTIPLE",
-}
 
 
 def _version(package: str) -> str | None:
@@ -37,6 +31,8 @@ def collect_info() -> dict[str, Any]:
 
     import tensorplay_p2p as dist
 
+    from .validate import thread_level_name
+
     comm = MPI.COMM_WORLD
     hosts = comm.gather(socket.gethostname(), root=0)
     support = dist.cuda_support()
@@ -46,7 +42,7 @@ def collect_info() -> dict[str, Any]:
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": mpi4py.__version__,
         "mpi4py_build": {k: str(v) for k, v in mpi4py.get_config().items()},
-        "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "thread_level": thread_level_name(),
         "cuda_aware": support.aware,
         "cuda_aware_reason": support.reason,
         "checked_mode": dist.checked_mode(),

@@ -17,15 +17,17 @@ import numpy as np
 from mpi4py import MPI
 
 from . import buffers, devices, layouts, watchdog
-from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
+from .errors import CommunicationError, MessageSizeError
 from .groups import ProcessGroup
 from .runtime import _seconds
+from .work import poll
 
 __all__ = ["PersistentExchange"]
 
 _BYTE = MPI.BYTE
 _Startall = MPI.Prequest.Startall
 _Waitall = MPI.Request.Waitall
+_Testall = MPI.Request.Testall
 
 
 class _Message(NamedTuple):
@@ -61,7 +63,7 @@ class PersistentExchange:
         self._group = group
         self._active = False
         self._staged = False
-        self._started = self._posted = 0.0
+        self._posted = 0.0  # when the step in flight was started
 
     def _describe_tensors(self, tensors: list[Any], writable: list[bool]) -> None:
         self._tensors = tensors
@@ -144,7 +146,7 @@ class PersistentExchange:
         if self._requests:
             MPI.Prequest.Startall(self._requests)
         self._active = True
-        self._started = self._posted = time.monotonic()
+        self._posted = time.monotonic()
         if watchdog.active:
             watchdog.track(self)
 
@@ -157,7 +159,12 @@ class PersistentExchange:
             if seconds is None:
                 MPI.Request.Waitall(self._requests, self._statuses)
             else:
-                self._poll(seconds)
+                poll(
+                    lambda: bool(_Testall(self._requests, self._statuses)),
+                    seconds,
+                    self._still_pending,
+                    f"{self._what}: ",
+                )
         except MPI.Exception as exc:
             self._active = False
             watchdog.untrack(self)
@@ -214,26 +221,12 @@ class PersistentExchange:
         self.start()
         self.wait(timeout)
 
-    def _poll(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds  # from the wait, as for Work.wait
-        pause = 1e-6
-        while not MPI.Request.Testall(self._requests, self._statuses):
-            now = time.monotonic()
-            if now >= deadline:
-                pending = [
-                    self._describe(message, now)
-                    for message, request in zip(self._messages, self._requests, strict=True)
-                    if not request.Test()
-                ]
-                if not pending:
-                    return
-                raise CommunicationTimeout(
-                    f"{self._what}: timed out after {seconds:g} s with {len(pending)} message(s) pending on global "
-                    f"rank {MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(pending),
-                    pending=tuple(pending),
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+    def _still_pending(self, now: float) -> list[str]:
+        return [
+            self._describe(message, now)
+            for message, request in zip(self._messages, self._requests, strict=True)
+            if not request.Test()
+        ]
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog: the messages of the step in flight (untested: another thread waits on them)."""
@@ -246,7 +239,7 @@ class PersistentExchange:
         return (
             f"{self._what}: {verb} {direction} {self._group._peer_text(message.peer)} (group rank {message.peer}), "
             f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, pending for "
-            f"{now - self._started:.1f} s"
+            f"{now - self._posted:.1f} s"
         )
 
     # --- life cycle ------------------------------------------------------------------------

@@ -27,6 +27,11 @@ _SINGLE_THREADED = MPI.Query_thread() < MPI.THREAD_MULTIPLE
 _first_thread: int | None = None
 
 
+def thread_level_name() -> str:
+    """The thread level the MPI library provides, as MPI spells it."""
+    return _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))
+
+
 def check_thread(what: str) -> None:
     """RuntimeError on a call from a second thread when the MPI library is not MPI_THREAD_MULTIPLE."""
     global _first_thread
@@ -34,7 +39,7 @@ def check_thread(what: str) -> None:
     if _first_thread is None:
         _first_thread = me
     elif me != _first_thread:
-        level = _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))
+        level = thread_level_name()
         raise RuntimeError(
             f"{what}: called from a second thread, but the MPI library provides {level}; concurrent use from "
             "several threads needs MPI_THREAD_MULTIPLE (an MPI built with thread support, and mpi4py.rc.thread_level "

@@ -119,7 +119,7 @@ class Work:
                 else:
                     self._complete(status)
             else:
-                _poll(self._test, seconds, lambda: [] if self._test() else [self])
+                poll(self._test, seconds, lambda now: [] if self._test() else [self.describe(now)])
         if self._exception is not None:
             raise self._exception
         return True
@@ -256,21 +256,21 @@ def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationErr
     )
 
 
-def _poll(test: Callable[[], bool], timeout: float, pending: Callable[[], list[Work]]) -> None:
+def poll(test: Callable[[], bool], timeout: float, pending: Callable[[float], list[str]], what: str = "") -> None:
     """Call ``test`` until it reports completion, backing off to 1 ms; raise CommunicationTimeout at the deadline.
 
-    ``pending`` lists the works still unfinished, each tested on its own so that the report is exact.
+    ``pending(now)`` describes what is still unfinished, each part tested on its own so that the report is exact.
     """
     deadline = time.monotonic() + timeout
     pause = 1e-6
     while not test():
         now = time.monotonic()
         if now >= deadline:
-            lines = tuple(w.describe(now) for w in pending())
+            lines = tuple(pending(now))
             if not lines:
                 return
             raise CommunicationTimeout(
-                f"timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
+                f"{what}timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
                 f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
                 pending=lines,
             )
@@ -287,8 +287,8 @@ class BatchWork(list[Work]):
     def _pending(self) -> list[Work]:
         return [w for w in self if w._state == _PENDING]
 
-    def _still_pending(self) -> list[Work]:
-        return [w for w in self if w._state == _PENDING and not w._test()]
+    def _still_pending(self, now: float) -> list[str]:
+        return [w.describe(now) for w in self if w._state == _PENDING and not w._test()]
 
     def _settle(self, pending: list[Work], statuses: list[MPI.Status], exc: MPI.Exception | None) -> None:
         if exc is None:
@@ -314,7 +314,7 @@ class BatchWork(list[Work]):
         """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
         seconds = None if timeout is None else _seconds(timeout, "timeout")
         if seconds is not None:
-            _poll(self._test, seconds, self._still_pending)
+            poll(self._test, seconds, self._still_pending)
         else:
             pending = self._pending()
             while pending:
