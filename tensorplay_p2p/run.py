@@ -17,19 +17,11 @@ import runpy
 import sys
 import traceback
 
+from .abort import abort_job
+
 __all__ = ["main"]
 
 USAGE = "usage: python -m tensorplay_p2p.run (script.py | -m module | -c code) [args...]"
-
-
-def _abort(code: int) -> None:
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Abort(code)
-    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,15 +51,13 @@ def main(argv: list[str] | None = None) -> None:
         if code is None or code == 0:
             return
         if isinstance(code, str):
-            print(code, file=sys.stderr)
-            code = 1
-        _abort(int(code))
+            abort_job(code + "\n", 1)
+        abort_job("", int(code))
     except BaseException:
         rank = _rank()
         lines = traceback.format_exc().rstrip().splitlines()
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-        sys.stderr.write(f"[rank {rank}] uncaught exception: aborting the MPI job\n")
-        _abort(1)
+        report = "".join(f"[rank {rank}] {line}\n" for line in lines)
+        abort_job(report + f"[rank {rank}] uncaught exception: aborting the MPI job\n", 1)
 
 
 def _rank() -> int:

@@ -10,12 +10,13 @@ of when the scheduler kills it.
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from typing import Protocol
 
 from mpi4py import MPI
+
+from .abort import abort_job
 
 __all__ = ["EXIT_CODE", "active", "disable", "enable", "track", "untrack"]
 
@@ -59,9 +60,7 @@ class _Watchdog:
             f"tensorplay_p2p watchdog: rank {rank} on host {socket.gethostname()}: {len(lines)} operation(s) "
             f"pending longer than the {timeout:g} s timeout; aborting the job:\n  " + "\n  ".join(lines) + "\n"
         )
-        sys.stderr.write(report)
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(EXIT_CODE)
+        abort_job(report, EXIT_CODE)
 
 
 _dog = _Watchdog()
