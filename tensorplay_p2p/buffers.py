@@ -41,7 +41,8 @@ Resolved = tuple[list[Any], int, Any, After | None]
 _Resolver = Callable[[Any, bool, str], Resolved]
 
 _BYTE = MPI.BYTE
-_fromaddress = MPI.buffer.fromaddress
+_Buffer = MPI.buffer
+_fromaddress = _Buffer.fromaddress
 
 
 class Memory(NamedTuple):
@@ -281,7 +282,7 @@ def _resolver_for(tensor: Any) -> Callable[[Any, bool, str], Resolved]:
 def _region(spec: list[Any]) -> tuple[int, layouts.Layout]:
     """The lowest byte a resolved spec touches and the layout it walks from there."""
     buf, count, dt = spec
-    lowest = int(buf.address) if isinstance(buf, MPI.buffer) else int(MPI.buffer(buf).address)
+    lowest = _address(buf)
     if dt == _BYTE:
         return lowest, layouts.Layout(count, (), count, 0, count)
     layout = layouts.layout_of(dt)
@@ -289,9 +290,45 @@ def _region(spec: list[Any]) -> tuple[int, layouts.Layout]:
     return lowest, layout
 
 
+def _address(buf: Any) -> int:
+    return int(buf.address) if type(buf) is _Buffer else int(_Buffer(buf).address)
+
+
+def _overlap_error(what: str, i: int, j: int) -> ValueError:
+    first, second = sorted((i, j))
+    return ValueError(
+        f"{what}: items {first} and {second} share memory and one of them is a receive; "
+        "MPI would race on it, so give each receive a buffer of its own"
+    )
+
+
 def check_disjoint(specs: list[tuple[bool, list[Any]]], what: str) -> None:
     """ValueError if a receive buffer shares memory with another op's buffer; takes ``(is_receive, spec)`` pairs."""
-    if not any(receiving for receiving, _ in specs):
+    receives = contiguous = False
+    for receiving, spec in specs:  # plain loops: this runs on every batch
+        receives = receives or receiving
+        contiguous = contiguous or spec[2] is not _BYTE
+    contiguous = not contiguous
+    if not receives:
+        return
+    if contiguous and len(specs) == 2:  # the common exchange: one receive, one send
+        (_, (buf, count, _)), (_, (buf2, count2, _)) = specs
+        if type(buf) is np.ndarray and type(buf2) is np.ndarray:  # bounds are exact for contiguous arrays
+            if np.may_share_memory(buf, buf2):
+                raise _overlap_error(what, 0, 1)
+            return
+        lo, lo2 = _address(buf), _address(buf2)
+        if count and count2 and lo < lo2 + count2 and lo2 < lo + count:
+            raise _overlap_error(what, 0, 1)
+        return
+    if contiguous:  # bytes only: compare sorted intervals
+        spans = sorted([(_address(spec[0]), spec[1], i, receiving) for i, (receiving, spec) in enumerate(specs)])
+        for n, (lo, count, i, receiving) in enumerate(spans):
+            for lo2, count2, j, receiving2 in spans[n + 1 :]:
+                if lo2 >= lo + count:
+                    break
+                if count2 and (receiving or receiving2):
+                    raise _overlap_error(what, i, j)
         return
     regions = sorted(
         (lowest, lowest + layout.span, i, receiving, layout)
@@ -306,11 +343,7 @@ def check_disjoint(specs: list[tuple[bool, list[Any]]], what: str) -> None:
             if (receiving or receiving2) and (
                 (layout.contiguous and layout2.contiguous) or layouts.shares_memory(lo, layout, lo2, layout2)
             ):
-                first, second = sorted((i, j))
-                raise ValueError(
-                    f"{what}: items {first} and {second} share memory and one of them is a receive; "
-                    "MPI would race on it, so give each receive a buffer of its own"
-                )
+                raise _overlap_error(what, i, j)
 
 
 def describe(tensor: Any) -> str:

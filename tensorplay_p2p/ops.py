@@ -14,7 +14,7 @@ from . import buffers, checked, layouts
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
 from .runtime import _state
-from .validate import check_tag, member_group, resolve_peer
+from .validate import _TAG_UB, check_tag, member_group, resolve_peer
 from .work import BatchWork, Work, _orphans, reap_orphans
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -129,6 +129,9 @@ def recv(
     return work._source
 
 
+_OPS = (isend, irecv)
+
+
 class P2POp:
     """One point-to-point operation for ``batch_isend_irecv``: op, peer, group and tag are checked when it is
     built and it is immutable afterwards; the tensor is checked when the batch is posted."""
@@ -150,6 +153,17 @@ class P2POp:
         tag: int = 0,
         group_peer: int | None = None,
     ) -> None:
+        if group is None and group_peer is None and type(peer) is int and type(tag) is int:
+            world = GroupMember.WORLD  # the common case, checked without the general path's translation
+            if world._comm is not None and 0 <= peer < world._size and 0 <= tag <= _TAG_UB and op in _OPS:
+                init = object.__setattr__
+                init(self, "op", op)
+                init(self, "tensor", tensor)
+                init(self, "group", None)
+                init(self, "tag", tag)
+                init(self, "peer", peer)
+                init(self, "group_peer", world._group_of[peer])
+                return
         if op is not isend and op is not irecv:
             raise ValueError(
                 "Invalid ``op``. Expected ``op`` to be of type ``tensorplay_p2p.isend`` or ``tensorplay_p2p.irecv``, "
@@ -189,19 +203,30 @@ class P2POp:
 
 def batch_group(p2p_op_list: Sequence[P2POp], what: str) -> ProcessGroup | None:
     """Check a non-empty list of P2POps of one group; returns that group, or None (warned) for a non-member."""
-    if isinstance(p2p_op_list, (str, bytes)) or not isinstance(p2p_op_list, Sequence):
+    if type(p2p_op_list) is not list and (
+        isinstance(p2p_op_list, (str, bytes)) or not isinstance(p2p_op_list, Sequence)
+    ):
         raise TypeError(f"{what} expects a list of P2POp, got {type(p2p_op_list).__name__}")
     if not p2p_op_list:
         raise ValueError(f"{what} needs at least one P2POp")
-    first = p2p_op_list[0]
+    group = p2p_op_list[0].group if type(p2p_op_list[0]) is P2POp else None
+    for p2p in p2p_op_list:  # plain loop, exact type test: this runs on every batch
+        if type(p2p) is not P2POp or p2p.group is not group:
+            _batch_item_error(p2p_op_list, group)
+    return member_group(group, what)
+
+
+def _batch_item_error(p2p_op_list: Sequence[P2POp], group: ProcessGroup | None) -> None:
+    """The error for the first item that is not a P2POp of the first item's group (a subclass or WORLD given as
+    ``None`` in one op and by name in another are accepted)."""
+    first = group or GroupMember.WORLD
     for i, p2p in enumerate(p2p_op_list):
         if not isinstance(p2p, P2POp):
             raise ValueError(
                 f"Invalid ``p2p_op_list``. Each op is expected to be of type P2POp; item {i} is {type(p2p).__name__}"
             )
-        if (p2p.group or GroupMember.WORLD) is not (first.group or GroupMember.WORLD):
+        if (p2p.group or GroupMember.WORLD) is not first:
             raise ValueError(f"All ops need to use the same group (item {i} differs from item 0)")
-    return member_group(first.group, what)
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
@@ -219,19 +244,25 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
 
 
 def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
-    prepared: list[tuple[Work, list[Any]]] = []
+    works = BatchWork()
+    specs: list[tuple[bool, list[Any]]] = []
+    resolve = buffers.resolve
     try:
         for i, p2p in enumerate(p2p_op_list):
-            op = "isend" if p2p.op is isend else "irecv"
-            prepared.append(_prepare(pg, op, p2p.tensor, p2p.group_peer, p2p.tag, f"batch_isend_irecv item {i} ({op})"))
-        if len(prepared) > 1:
-            buffers.check_disjoint([(w._op == "irecv", spec) for w, spec in prepared], "batch_isend_irecv")
+            receiving = p2p.op is irecv
+            op = "irecv" if receiving else "isend"
+            spec, nbytes, keep, after = resolve(p2p.tensor, receiving, f"batch_isend_irecv item {i} ({op})")
+            works.append(Work(_REQUEST_NULL, op, pg, p2p.group_peer, p2p.tag, nbytes, keep, after))
+            specs.append((receiving, spec))
+        if len(specs) > 1:
+            buffers.check_disjoint(specs, "batch_isend_irecv")
         if _state.checked:
-            prepared = [
-                (w, _add_header(w, spec, p2p.tensor)) for (w, spec), p2p in zip(prepared, p2p_op_list, strict=True)
+            specs = [
+                (r, _add_header(w, spec, p2p.tensor))
+                for w, (r, spec), p2p in zip(works, specs, p2p_op_list, strict=True)
             ]
     except BaseException:
-        for work, _ in prepared:  # release staging buffers and datatypes; nothing was posted
+        for work in works:  # release staging buffers and datatypes; nothing was posted
             work._settle(CommunicationError("not posted: an op of the batch was rejected"))
         raise
     if _orphans:
@@ -240,17 +271,19 @@ def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
     assert comm is not None
     posted = 0
     try:
-        for work, spec in prepared:
-            _post(comm, work, spec)
+        for work, (receiving, spec) in zip(works, specs, strict=True):
+            if receiving:
+                work._request = comm.Irecv(spec, work._peer, work._tag)
+            else:
+                work._request = comm.Isend(spec, work._peer, work._tag)
             posted += 1
     except MPI.Exception as exc:
-        works = [work for work, _ in prepared]
         stranded = _withdraw(works, posted)
         what = f"batch_isend_irecv item {posted}"
         if stranded:
             what += f" ({stranded} send(s) posted before it could not be withdrawn and may still be delivered)"
         raise _posting_error(works[posted], what, exc) from exc
-    return BatchWork(work for work, _ in prepared)
+    return works
 
 
 def _withdraw(works: list[Work], posted: int) -> int:

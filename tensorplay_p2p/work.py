@@ -31,6 +31,7 @@ _SUCCESS = MPI.SUCCESS
 _ANY_SOURCE = MPI.ANY_SOURCE
 _PROC_NULL = MPI.PROC_NULL
 _REQUEST_NULL = MPI.REQUEST_NULL
+_BYTE = MPI.BYTE
 
 # Requests whose Work was dropped while MPI could still touch the buffer: kept (with the
 # buffer) until they complete, so MPI never writes into freed memory.
@@ -167,7 +168,7 @@ class Work:
         error: CommunicationError | None = None
         if status is not None and status.Get_source() != _PROC_NULL:
             self._source = self._group._global_of[status.Get_source()]
-            received = status.Get_count(MPI.BYTE)
+            received = status.Get_count(_BYTE)
             if received != self._nbytes:
                 error = MessageSizeError(
                     f"irecv from rank {self._source} tag {status.Get_tag()}: expected {self._nbytes} bytes, "
@@ -285,7 +286,11 @@ class BatchWork(list[Work]):
         super().__init__(works)
 
     def _pending(self) -> list[Work]:
-        return [w for w in self if w._state == _PENDING]
+        pending = []
+        for w in self:
+            if w._state == _PENDING:
+                pending.append(w)
+        return pending
 
     def _still_pending(self, now: float) -> list[str]:
         return [w.describe(now) for w in self if w._state == _PENDING and not w._test()]
@@ -293,7 +298,10 @@ class BatchWork(list[Work]):
     def _settle(self, pending: list[Work], statuses: list[MPI.Status], exc: MPI.Exception | None) -> None:
         if exc is None:
             for w, st in zip(pending, statuses, strict=True):
-                w._complete(st if w._op == "irecv" else None)
+                if w._op == "irecv":
+                    w._complete(st)
+                else:
+                    w._settle(None)
             return
         if exc.Get_error_class() != _ERR_IN_STATUS:
             # MPI did not say which request failed: keep every request (and its buffer) as it is.
@@ -318,15 +326,21 @@ class BatchWork(list[Work]):
         else:
             pending = self._pending()
             while pending:
-                statuses = [_Status() for _ in pending]
+                requests = []
+                statuses = []
+                for w in pending:  # plain loop: this runs on every batch
+                    requests.append(w._request)
+                    statuses.append(_Status())
                 try:
-                    _Waitall([w._request for w in pending], statuses)
+                    _Waitall(requests, statuses)
                 except MPI.Exception as exc:
                     self._settle(pending, statuses, exc)
                 else:
                     self._settle(pending, statuses, None)
                 pending = self._pending()
-        self._raise_failures()
+        for w in self:
+            if w._exception is not None:
+                self._raise_failures()
         return True
 
     def _test(self) -> bool:
