@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 __all__ = [
     "Layout",
+    "as_array",
     "build",
     "cache_size",
     "clear_cache",
@@ -133,8 +134,8 @@ def layout_of(dt: MPI.Datatype) -> Layout | None:
     return _layout_of.get(dt.handle)
 
 
-def _as_array(lowest: int, layout: Layout) -> np.ndarray:
-    """A numpy view (one void item per contiguous block) of the bytes a layout touches."""
+def as_array(lowest: int, layout: Layout) -> np.ndarray:
+    """A numpy view (one void item per contiguous block, in C order) of the bytes a layout touches."""
     memory: Any = MPI.buffer.fromaddress(lowest, layout.span)  # has the buffer protocol; its stubs do not say so
     shape = tuple(extent for extent, _ in layout.dims)
     strides = tuple(stride for _, stride in layout.dims)
@@ -148,7 +149,7 @@ def shares_memory(lowest_a: int, a: Layout, lowest_b: int, b: Layout) -> bool:
     """Whether two layouts, starting at their lowest bytes, touch a common byte (False when it cannot be decided)."""
     try:
         limit: Any = 100_000  # numpy's stubs know only the -1 and 0 presets
-        return bool(np.shares_memory(_as_array(lowest_a, a), _as_array(lowest_b, b), max_work=limit))
+        return bool(np.shares_memory(as_array(lowest_a, a), as_array(lowest_b, b), max_work=limit))
     except np.exceptions.TooHardError:
         return False
 

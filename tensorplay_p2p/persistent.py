@@ -4,6 +4,12 @@ The base of ``HaloExchange`` and ``P2PPlan``.  Each message is a region of a ten
 or a face) described as a derived datatype over the tensor in place; device tensors go to MPI
 directly when it is CUDA-aware (after the producer's stream is synchronised on ``start``), or
 through page-locked host buffers held for the exchange's lifetime otherwise.
+
+Strided host messages from ``PACK_MIN`` to ``PACK_MAX`` bytes are packed by numpy into a buffer
+the exchange owns instead: between processes MPICH moves such messages through a derived
+datatype several times slower than a numpy copy plus a contiguous send (measured with 8-byte
+blocks: 1.3 ms against 0.37 ms at 128 KiB).  Smaller ones stay in place (the datatype is faster
+there), and larger ones too, so that a huge strided tensor costs no second copy of itself.
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ from .groups import ProcessGroup
 from .runtime import _seconds
 from .work import poll
 
-__all__ = ["PersistentExchange"]
+__all__ = ["PACK_MAX", "PACK_MIN", "PersistentExchange"]
+
+PACK_MIN = 8 << 10  # bytes; below this MPICH's datatype engine beats packing
+PACK_MAX = 16 << 20  # bytes; above this a message stays zero-copy whatever the speed
 
 _BYTE = MPI.BYTE
 _Startall = MPI.Prequest.Startall
 _Waitall = MPI.Request.Waitall
 _Testall = MPI.Request.Testall
+_copyto = np.copyto
 
 
 class _Message(NamedTuple):
@@ -41,6 +51,7 @@ class _Message(NamedTuple):
     region: tuple[slice, ...] | None  # the part of the tensor (None: all of it)
     host: np.ndarray | None  # staging buffer (device tensors without CUDA-aware MPI)
     label: str  # names the message in reports
+    copy: tuple[np.ndarray, np.ndarray] | None = None  # packing: (destination, source) of the numpy copy
 
 
 class PersistentExchange:
@@ -57,6 +68,8 @@ class PersistentExchange:
         self._receives: list[tuple[MPI.Status, _Message]] = []
         self._synchronized: list[buffers.Memory] = []
         self._movable: list[tuple[int, Any, int]] = []
+        self._packs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._unpacks: list[tuple[np.ndarray, np.ndarray]] = []
         self._plain = False
         self._tensors: list[Any] = []
         self._memories: list[buffers.Memory] = []
@@ -92,9 +105,16 @@ class PersistentExchange:
         offset = 0 if region is None else sum(r.start * s for r, s in zip(region, m.strides, strict=True))
         layout = buffers.plan(m._replace(shape=shape), receive, f"{self._what} {label}")
         host = None
+        copy = None
         if self._staged and m.adapter is not None:
             host = devices.staging_pool.take(m.adapter, layout.nbytes)
             spec: list[Any] = [host, layout.nbytes, MPI.BYTE]
+        elif m.adapter is None and not layout.contiguous and PACK_MIN <= layout.nbytes <= PACK_MAX:
+            packed = np.empty(layout.nbytes, np.uint8)
+            in_place = layouts.as_array(m.address + offset + layout.low, layout)
+            blocks = packed.view(np.dtype((np.void, layout.block))).reshape(in_place.shape)
+            copy = (in_place, blocks) if receive else (blocks, in_place)
+            spec = [packed, layout.nbytes, MPI.BYTE]
         else:
             datatype = None
             if not layout.contiguous:
@@ -103,13 +123,15 @@ class PersistentExchange:
             spec = buffers.spec(m.address + offset, layout, datatype)
         request = comm.Recv_init(spec, peer, tag) if receive else comm.Send_init(spec, peer, tag)
         self._requests.append(request)
-        self._messages.append(_Message(receive, tensor, peer, tag, layout.nbytes, region, host, label))
+        self._messages.append(_Message(receive, tensor, peer, tag, layout.nbytes, region, host, label, copy))
 
     def _ready(self) -> None:
         """Precompute what every step needs, so that a step does no more than it must."""
         self._statuses = [MPI.Status() for _ in self._requests]
         self._receives = [(s, m) for s, m in zip(self._statuses, self._messages, strict=True) if m.receive]
         self._synchronized = [] if self._staged else [m for m in self._memories if m.adapter is not None]
+        self._packs = [m.copy for m in self._messages if m.copy is not None and not m.receive]
+        self._unpacks = [m.copy for m in self._messages if m.copy is not None and m.receive]
         self._plain = not self._synchronized and not self._staged
         self._movable = [
             (i, t.data_ptr, m.address)
@@ -143,6 +165,8 @@ class PersistentExchange:
                     adapter = self._memories[message.tensor].adapter
                     assert adapter is not None
                     adapter.to_host(self._part(message), message.host)
+        for destination, source in self._packs:
+            np.copyto(destination, source)
         if self._requests:
             MPI.Prequest.Startall(self._requests)
         self._active = True
@@ -175,6 +199,8 @@ class PersistentExchange:
         for status, message in self._receives:
             if status.Get_count(_BYTE) != message.nbytes:
                 raise self._size_error(message, status.Get_count(_BYTE))
+        for destination, source in self._unpacks:
+            np.copyto(destination, source)
         if self._staged:
             for message in self._messages:
                 if message.receive and message.host is not None:
@@ -209,6 +235,8 @@ class PersistentExchange:
     def exchange(self, timeout: timedelta | float | None = None) -> None:
         """One whole step: ``start()`` then ``wait()``."""
         if timeout is None and self._plain and not self._active and not self._closed and not watchdog.active:
+            for destination, source in self._packs:
+                _copyto(destination, source)
             try:  # host tensors that cannot move: nothing to do around the two MPI calls but the size check
                 _Startall(self._requests)
                 _Waitall(self._requests, self._statuses)
@@ -217,6 +245,8 @@ class PersistentExchange:
             for status, message in self._receives:
                 if status.Get_count(_BYTE) != message.nbytes:
                     raise self._size_error(message, status.Get_count(_BYTE))
+            for destination, source in self._unpacks:
+                _copyto(destination, source)
             return
         self.start()
         self.wait(timeout)

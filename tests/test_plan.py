@@ -99,3 +99,20 @@ def test_plan_longer_message_is_a_size_error() -> None:
         pytest.raises(dist.MessageSizeError, match="is longer than the 4 bytes expected"),
     ):
         plan.exchange(timeout=WAIT)
+
+
+def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone() -> None:
+    """A strided receive of at least PACK_MIN bytes is packed; only the viewed elements are written."""
+    rows = 1100  # a column of 1100 float64 is 8800 bytes
+    out = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) + 10_000 * RANK
+    into = np.full((rows, 3), -1.0)
+    with dist.P2PPlan(
+        [dist.P2POp(dist.isend, out[::-1, 1], NEXT, tag=3), dist.P2POp(dist.irecv, into[:, 2], PREV, tag=3)]
+    ) as plan:
+        assert all(message.copy is not None for message in plan._messages)
+        for step in range(2):
+            out += step
+            plan.exchange(timeout=WAIT)
+            sent = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)[::-1, 1] + 10_000 * PREV + step
+            np.testing.assert_array_equal(into[:, 2], sent)
+            np.testing.assert_array_equal(into[:, :2], -1.0)
