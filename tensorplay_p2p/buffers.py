@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .errors import CommunicationError
     from .work import Work
 
-__all__ = ["After", "Memory", "Resolved", "check_disjoint", "describe", "memory", "resolve"]
+__all__ = ["After", "Memory", "Packed", "Resolved", "check_disjoint", "describe", "memory", "resolve"]
 
 After = Callable[["Work", "CommunicationError | None"], "CommunicationError | None"]
 Resolved = tuple[list[Any], int, Any, After | None]
@@ -198,9 +198,19 @@ def plan(m: Memory, writable: bool, what: str) -> layouts.Layout:
     return layout
 
 
+class Packed(NamedTuple):
+    """The keepalive of a packed message: the tensor's, the host buffer, and the spec of the tensor's own memory."""
+
+    keep: Any
+    host: np.ndarray
+    region: list[Any]  # what overlap checks look at: the packed buffer is private
+
+
 def _resolve_memory(m: Memory, writable: bool, what: str) -> Resolved:
     layout = plan(m, writable, what)
     if m.adapter is None:
+        if layouts.packs(layout):
+            return _packed(m, layout, writable)
         return spec(m.address, layout), layout.nbytes, m.keep, None
     if not _state.checked and devices.cuda_support().aware:
         m.adapter.synchronize(m.array)  # MPI must not touch the memory before the producing stream is done
@@ -235,6 +245,33 @@ def _staged(m: Memory, nbytes: int, writable: bool) -> Resolved:
         return error
 
     return [host, nbytes, _BYTE], nbytes, (m.keep, host), release
+
+
+def _packed(m: Memory, layout: layouts.Layout, writable: bool) -> Resolved:
+    """A strided host message through a pooled buffer: packed by numpy before a send, unpacked after a receive."""
+    pool = devices.staging_pool
+    host = pool.take(devices.pageable_host, layout.nbytes)
+    in_place = layouts.as_array(m.address + layout.low, layout)
+    blocks = host.view(np.dtype((np.void, layout.block))).reshape(in_place.shape)
+    keep = Packed(m.keep, host, spec(m.address, layout))
+    if writable:
+
+        def unpack(work: Work, error: CommunicationError | None) -> CommunicationError | None:
+            try:
+                if error is None:
+                    np.copyto(in_place, blocks)
+            finally:
+                pool.give(host)
+            return error
+
+        return [host, layout.nbytes, _BYTE], layout.nbytes, keep, unpack
+    np.copyto(blocks, in_place)
+
+    def release(work: Work, error: CommunicationError | None) -> CommunicationError | None:
+        pool.give(host)
+        return error
+
+    return [host, layout.nbytes, _BYTE], layout.nbytes, keep, release
 
 
 def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:

@@ -27,6 +27,7 @@ __all__ = [
     "adapter_for",
     "cuda_support",
     "override_cuda_aware",
+    "pageable_host",
     "register_adapter",
     "staging_pool",
 ]
@@ -290,8 +291,26 @@ _CUPY = _CuPy()
 # --- Staging buffers ------------------------------------------------------------------------
 
 
+class HostBuffers(Protocol):
+    """What the staging pool allocates from."""
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A uint8 host array of ``nbytes``."""
+        ...
+
+
+class _PageableHost:
+    """Ordinary host memory: the buffers strided host messages are packed into."""
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+
+pageable_host = _PageableHost()
+
+
 class StagingPool:
-    """Reusable page-locked host buffers, by power-of-two size, per adapter."""
+    """Reusable host buffers (page-locked for a device adapter), by power-of-two size, per source."""
 
     def __init__(self, keep_per_size: int = 4) -> None:
         self._free: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
@@ -305,7 +324,7 @@ class StagingPool:
         """Buffers taken and not yet given back."""
         return len(self._leased)
 
-    def take(self, adapter: DeviceAdapter, nbytes: int) -> np.ndarray:
+    def take(self, adapter: HostBuffers, nbytes: int) -> np.ndarray:
         """A host buffer exactly ``nbytes`` long, cut from a pooled buffer of the next power of two."""
         key = (id(adapter), 1 << max(nbytes - 1, 0).bit_length())
         with self._lock:

@@ -17,6 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = [
+    "PACK_MAX",
+    "PACK_MIN",
     "Layout",
     "as_array",
     "build",
@@ -25,12 +27,21 @@ __all__ = [
     "datatype",
     "layout_of",
     "may_overlap",
+    "packs",
     "plan",
     "release_retired",
     "shares_memory",
 ]
 
 _CACHE_LIMIT = 512
+
+# Strided host messages from PACK_MIN to PACK_MAX bytes are packed by numpy instead of described by a
+# derived datatype: between processes MPICH moves such messages through a datatype several times
+# slower than a numpy copy plus a contiguous send (measured with 8-byte blocks: 1.5 ms against
+# 0.37 ms at 128 KiB).  Smaller ones stay in place (the datatype is faster there), and larger ones
+# too, so that a huge strided tensor costs no second copy of itself.
+PACK_MIN = 8 << 10
+PACK_MAX = 16 << 20
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
 _layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
 _retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
@@ -78,6 +89,11 @@ def plan(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Lay
     low = sum((e - 1) * s for e, s in merged if s < 0)
     high = sum((e - 1) * s for e, s in merged if s > 0)
     return Layout(block, tuple(merged), numel * itemsize, low, high - low + block)
+
+
+def packs(layout: Layout) -> bool:
+    """Whether a strided host message of this layout travels packed (see PACK_MIN and PACK_MAX)."""
+    return bool(layout.dims) and PACK_MIN <= layout.nbytes <= PACK_MAX
 
 
 def may_overlap(layout: Layout) -> bool:

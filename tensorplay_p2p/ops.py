@@ -246,7 +246,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
 def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
     works = BatchWork()
     specs: list[tuple[bool, list[Any]]] = []
-    resolve = buffers.resolve
+    resolve, packed = buffers.resolve, buffers.Packed
+    any_packed = False
     try:
         for i, p2p in enumerate(p2p_op_list):
             receiving = p2p.op is irecv
@@ -254,8 +255,16 @@ def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
             spec, nbytes, keep, after = resolve(p2p.tensor, receiving, f"batch_isend_irecv item {i} ({op})")
             works.append(Work(_REQUEST_NULL, op, pg, p2p.group_peer, p2p.tag, nbytes, keep, after))
             specs.append((receiving, spec))
+            if type(keep) is packed:
+                any_packed = True
         if len(specs) > 1:
-            buffers.check_disjoint(specs, "batch_isend_irecv")
+            own = specs  # overlap is judged on the tensors' memory, not on private packing buffers
+            if any_packed:
+                own = [
+                    (r, w._keep.region if type(w._keep) is packed else spec)
+                    for w, (r, spec) in zip(works, specs, strict=True)
+                ]
+            buffers.check_disjoint(own, "batch_isend_irecv")
         if _state.checked:
             specs = [
                 (r, _add_header(w, spec, p2p.tensor))

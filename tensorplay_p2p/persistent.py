@@ -5,11 +5,8 @@ or a face) described as a derived datatype over the tensor in place; device tens
 directly when it is CUDA-aware (after the producer's stream is synchronised on ``start``), or
 through page-locked host buffers held for the exchange's lifetime otherwise.
 
-Strided host messages from ``PACK_MIN`` to ``PACK_MAX`` bytes are packed by numpy into a buffer
-the exchange owns instead: between processes MPICH moves such messages through a derived
-datatype several times slower than a numpy copy plus a contiguous send (measured with 8-byte
-blocks: 1.3 ms against 0.37 ms at 128 KiB).  Smaller ones stay in place (the datatype is faster
-there), and larger ones too, so that a huge strided tensor costs no second copy of itself.
+Strided host messages of the sizes ``layouts.packs`` names are packed by numpy into buffers the
+exchange owns, filled in ``start`` and emptied in ``wait``.
 """
 
 from __future__ import annotations
@@ -28,10 +25,7 @@ from .groups import ProcessGroup
 from .runtime import _seconds
 from .work import poll
 
-__all__ = ["PACK_MAX", "PACK_MIN", "PersistentExchange"]
-
-PACK_MIN = 8 << 10  # bytes; below this MPICH's datatype engine beats packing
-PACK_MAX = 16 << 20  # bytes; above this a message stays zero-copy whatever the speed
+__all__ = ["PersistentExchange"]
 
 _BYTE = MPI.BYTE
 _Startall = MPI.Prequest.Startall
@@ -109,7 +103,7 @@ class PersistentExchange:
         if self._staged and m.adapter is not None:
             host = devices.staging_pool.take(m.adapter, layout.nbytes)
             spec: list[Any] = [host, layout.nbytes, MPI.BYTE]
-        elif m.adapter is None and not layout.contiguous and PACK_MIN <= layout.nbytes <= PACK_MAX:
+        elif m.adapter is None and layouts.packs(layout):
             packed = np.empty(layout.nbytes, np.uint8)
             in_place = layouts.as_array(m.address + offset + layout.low, layout)
             blocks = packed.view(np.dtype((np.void, layout.block))).reshape(in_place.shape)

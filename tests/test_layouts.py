@@ -1,4 +1,4 @@
-"""Strided views sent and received in place (derived datatypes), over every tensor kind."""
+"""Strided views sent and received (in place through derived datatypes, or packed), over every tensor kind."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...] | Non
     "zero_size": ((4, 5), (S(2, 2), S(None, None, 2)), None, False),
     "reversed": ((6, 5), (S(None, None, -1), S(None, None, -2)), None, True),
     "transposed_reversed": ((4, 6), (S(None, None, -2),), (1, 0), True),
+    # PACK_MIN bytes and more for the wider dtypes: packed by numpy rather than walked by a datatype
+    "large_column": ((4200, 3), (S(None), 1), None, False),
+    "large_face_reversed_3d": ((30, 40, 24), (S(None, None, -1), S(None), 5), None, True),
 }
 
 
@@ -207,3 +210,13 @@ def test_datatypes_evicted_while_a_batch_is_prepared_stay_valid(monkeypatch: pyt
         np.testing.assert_array_equal(into, expected[:, j : j + 1 + j % 3])
     assert layouts.cache_size() <= 4 and not layouts._retired
     layouts.clear_cache()
+
+
+def test_large_layouts_are_packed_and_small_ones_are_not() -> None:
+    """The LAYOUTS above cover both paths: the policy in layouts.packs, checked on its own."""
+    column = layouts.plan(8, (4200,), (24,))
+    assert layouts.packs(column) and column.nbytes >= layouts.PACK_MIN
+    assert not layouts.packs(layouts.plan(8, (5,), (48,)))  # small: a datatype
+    assert not layouts.packs(layouts.plan(8, (4200,), (8,)))  # contiguous: neither
+    huge = layouts.plan(8, (layouts.PACK_MAX // 8 + 1,), (16,))
+    assert not layouts.packs(huge)  # too big to copy: a datatype, zero-copy

@@ -9,6 +9,7 @@ from mpi4py import MPI
 from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check
 
 import tensorplay_p2p as dist
+from tensorplay_p2p import devices
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -253,6 +254,16 @@ def test_batch_refuses_receive_buffers_that_share_memory() -> None:
     field = np.zeros((4, 6))
     with pytest.raises(ValueError, match="items 0 and 1 share memory"):
         dist.batch_isend_irecv([dist.P2POp(dist.isend, field[:, 1], NEXT), dist.P2POp(dist.irecv, field[1:3], PREV)])
+    large = np.zeros((2000, 6))  # columns of 16000 bytes travel packed; the check looks at the array itself
+    with pytest.raises(ValueError, match="items 1 and 2 share memory"):
+        dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, np.ones(4), NEXT),
+                dist.P2POp(dist.irecv, large[:, 2], PREV),
+                dist.P2POp(dist.irecv, large[:, 1:4], PREV),
+            ]
+        )
+    assert devices.staging_pool.in_use == 0, "the packing buffers of a refused batch are given back"
     exchange_and_check(tag=0, value=11.0)
 
 
