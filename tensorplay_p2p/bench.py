@@ -9,6 +9,8 @@ the figure reported is the median over blocks.  Patterns (after the OSU micro-be
 
 - ``latency``: blocking ping-pong, half the round trip (osu_latency)
 - ``bw``: a window of 64 nonblocking sends, completed, then a 4-byte ack (osu_bw)
+- ``bw_strided``: ``bw`` with every other float64 of an array (8 B to 4 MiB); raw mpi4py and gloo
+  pack and unpack each message with numpy, as their users must
 - ``bibw``: both sides post 64 receives and 64 sends (osu_bibw)
 - ``mbw_mr``: np/2 pairs, rank i with i + np/2, aggregate bandwidth and message rate (osu_mbw_mr)
 - ``batch``: ``batch_isend_irecv`` of k ops (k/2 sends, k/2 receives) with a peer
@@ -267,6 +269,7 @@ class Pattern:
     counts: dict[str, tuple[int, int]]  # OSU's (iterations, warm-up) for "small" and "large" messages
     ndim: int = 0  # grid dimensions of a halo pattern
     show_rate: bool = False  # also tabulate the message rate
+    size_range: tuple[int, int] = (1, 1 << 62)  # message sizes the pattern can take (bytes)
 
     @property
     def min_ranks(self) -> int:
@@ -442,6 +445,86 @@ def bw_gloo(s: Setting) -> Loop:
                 works = [gloo.irecv(data, peer, tag=DATA_TAG) for _ in range(WINDOW)]
                 for work in works:
                     work.wait()
+                gloo.send(ack, peer, tag=ACK_TAG)
+
+    return Loop(timed(body))
+
+
+# --- bw_strided: osu_bw with every other 8-byte element of an array ---------------------------
+
+
+def strided_message(s: Setting) -> Field:
+    """``s.size`` bytes as every other float64 of an array twice that size (a column-like layout)."""
+    base = np.full(2 * (s.size // 8), float(COMM.Get_rank()) if s.leader else -1.0)
+    return base[::2]
+
+
+def bw_strided_tensorplay(s: Setting) -> Loop:
+    """Window of isend (or irecv) of the strided view itself, each waited, then an ack."""
+    data, ack, peer = strided_message(s), empty(ACK_BYTES), s.peer
+
+    def body(n: int) -> None:
+        for _ in range(n):
+            if s.leader:
+                works = [tp_isend(data, peer, tag=DATA_TAG) for _ in range(WINDOW)]
+                for work in works:
+                    work.wait()
+                tp.recv(ack, peer, tag=ACK_TAG)
+            else:
+                works = [tp_irecv(data, peer, tag=DATA_TAG) for _ in range(WINDOW)]
+                for work in works:
+                    work.wait()
+                tp.send(ack, peer, tag=ACK_TAG)
+
+    return Loop(timed(body))
+
+
+def bw_strided_mpi4py(s: Setting) -> Loop:
+    """What a user writes: pack each message with numpy, Isend (or Irecv, Waitall, unpack each), then an ack."""
+    data, ack, peer = strided_message(s), empty(ACK_BYTES), s.peer
+    packed = [np.empty(len(data)) for _ in range(WINDOW)]
+
+    def body(n: int) -> None:
+        for _ in range(n):
+            if s.leader:
+                requests = []
+                for buffer in packed:
+                    np.copyto(buffer, data)
+                    requests.append(COMM.Isend(buffer, peer, DATA_TAG))
+                MPI.Request.Waitall(requests)
+                COMM.Recv(ack, peer, ACK_TAG)
+            else:
+                MPI.Request.Waitall([COMM.Irecv(buffer, peer, DATA_TAG) for buffer in packed])
+                for buffer in packed:
+                    np.copyto(data, buffer)
+                COMM.Send(ack, peer, ACK_TAG)
+
+    return Loop(timed(body))
+
+
+def bw_strided_gloo(s: Setting) -> Loop:
+    """torch.distributed needs contiguous tensors: pack each message, isend (or irecv and unpack), then an ack."""
+    gloo, peer = s.ctx.gloo, s.peer
+    data, ack = strided_message(s), torch_view(empty(ACK_BYTES))
+    packed = [np.empty(len(data)) for _ in range(WINDOW)]
+    tensors = [torch_view(buffer) for buffer in packed]
+
+    def body(n: int) -> None:
+        for _ in range(n):
+            if s.leader:
+                works = []
+                for buffer, tensor in zip(packed, tensors, strict=True):
+                    np.copyto(buffer, data)
+                    works.append(gloo.isend(tensor, peer, tag=DATA_TAG))
+                for work in works:
+                    work.wait()
+                gloo.recv(ack, peer, tag=ACK_TAG)
+            else:
+                works = [gloo.irecv(tensor, peer, tag=DATA_TAG) for tensor in tensors]
+                for work in works:
+                    work.wait()
+                for buffer in packed:
+                    np.copyto(data, buffer)
                 gloo.send(ack, peer, tag=ACK_TAG)
 
     return Loop(timed(body))
@@ -780,6 +863,16 @@ PATTERNS: dict[str, Pattern] = {
             counts=BANDWIDTH_COUNTS,
         ),
         Pattern(
+            name="bw_strided",
+            headline="bandwidth",
+            pairing="first-two",
+            iteration="window of 64 strided sends + ack",
+            series=standard_series(bw_strided_tensorplay, bw_strided_mpi4py, bw_strided_gloo),
+            volume=bw_volume,
+            counts=BANDWIDTH_COUNTS,
+            size_range=(8, 4 << 20),
+        ),
+        Pattern(
             name="bibw",
             headline="bandwidth",
             pairing="first-two",
@@ -906,7 +999,8 @@ def say(message: str) -> None:
 def sizes_for(config: Config, pattern: Pattern) -> tuple[int, ...]:
     """Message sizes, or interior edges for a halo pattern."""
     if not pattern.ndim:
-        return config.sizes
+        low, high = pattern.size_range
+        return tuple(size for size in config.sizes if low <= size <= high)
     return doubling(config.halo_min_edge, config.halo_max_edge or HALO_DEFAULT_MAX_EDGE[pattern.ndim])
 
 

@@ -198,12 +198,15 @@ def plan(m: Memory, writable: bool, what: str) -> layouts.Layout:
     return layout
 
 
+Region = tuple[int, layouts.Layout]  # element 0's address and the layout from there
+
+
 class Packed(NamedTuple):
-    """The keepalive of a packed message: the tensor's, the host buffer, and the spec of the tensor's own memory."""
+    """The keepalive of a packed message: the tensor's, the host buffer, and where the tensor's elements are."""
 
     keep: Any
     host: np.ndarray
-    region: list[Any]  # what overlap checks look at: the packed buffer is private
+    region: Region  # what overlap checks look at: the packed buffer is private
 
 
 def _resolve_memory(m: Memory, writable: bool, what: str) -> Resolved:
@@ -249,11 +252,22 @@ def _staged(m: Memory, nbytes: int, writable: bool) -> Resolved:
 
 def _packed(m: Memory, layout: layouts.Layout, writable: bool) -> Resolved:
     """A strided host message through a pooled buffer: packed by numpy before a send, unpacked after a receive."""
-    pool = devices.staging_pool
-    host = pool.take(devices.pageable_host, layout.nbytes)
     in_place = layouts.as_array(m.address + layout.low, layout)
-    blocks = host.view(np.dtype((np.void, layout.block))).reshape(in_place.shape)
-    keep = Packed(m.keep, host, spec(m.address, layout))
+    return _through_buffer(in_place, layouts.block_dtype(layout.block), m.keep, (m.address, layout), writable)
+
+
+def _through_buffer(in_place: np.ndarray, dtype: Any, keep: Any, region: Region, writable: bool) -> Resolved:
+    """Pack ``in_place`` (a numpy view of the message's elements) into a pooled buffer, or unpack into it later."""
+    pool = devices.packing_pool
+    nbytes = in_place.nbytes
+    host = pool.take(devices.pageable_host, nbytes)
+    try:
+        blocks = host.view(dtype).reshape(in_place.shape)
+        if not writable:
+            np.copyto(blocks, in_place)
+    except BaseException:
+        pool.give(host)
+        raise
     if writable:
 
         def unpack(work: Work, error: CommunicationError | None) -> CommunicationError | None:
@@ -264,20 +278,27 @@ def _packed(m: Memory, layout: layouts.Layout, writable: bool) -> Resolved:
                 pool.give(host)
             return error
 
-        return [host, layout.nbytes, _BYTE], layout.nbytes, keep, unpack
-    np.copyto(blocks, in_place)
+        return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), unpack
 
     def release(work: Work, error: CommunicationError | None) -> CommunicationError | None:
         pool.give(host)
         return error
 
-    return [host, layout.nbytes, _BYTE], layout.nbytes, keep, release
+    return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), release
 
 
 def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:
-    if a.flags.c_contiguous and (a.flags.writeable or not writable) and not a.dtype.hasobject:
-        return [a, a.nbytes, _BYTE], a.nbytes, a, None
-    return _resolve_memory(_numpy_memory(a, writable, what), writable, what)
+    flags = a.flags
+    if (flags.writeable or not writable) and not a.dtype.hasobject:
+        if flags.c_contiguous:
+            return [a, a.nbytes, _BYTE], a.nbytes, a, None
+        layout = layouts.plan(a.itemsize, a.shape, a.strides)
+        if not (writable and layouts.may_overlap(layout)):
+            address = a.__array_interface__["data"][0]
+            if layouts.packs(layout):
+                return _through_buffer(a, a.dtype, a, (address, layout), writable)  # numpy copies the view itself
+            return spec(address, layout), layout.nbytes, a, None
+    return _resolve_memory(_numpy_memory(a, writable, what), writable, what)  # the checks, with their messages
 
 
 def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
@@ -316,8 +337,11 @@ def _resolver_for(tensor: Any) -> Callable[[Any, bool, str], Resolved]:
     return lambda obj, writable, what: _resolve_memory(describer(obj, writable, what), writable, what)
 
 
-def _region(spec: list[Any]) -> tuple[int, layouts.Layout]:
-    """The lowest byte a resolved spec touches and the layout it walks from there."""
+def _region(spec: Any) -> tuple[int, layouts.Layout]:
+    """The lowest byte a resolved spec (or a packed message's region) touches and the layout it walks from there."""
+    if type(spec) is tuple:
+        address, layout = spec
+        return address + layout.low, layout
     buf, count, dt = spec
     lowest = _address(buf)
     if dt == _BYTE:
@@ -339,13 +363,16 @@ def _overlap_error(what: str, i: int, j: int) -> ValueError:
     )
 
 
-def check_disjoint(specs: list[tuple[bool, list[Any]]], what: str) -> None:
-    """ValueError if a receive buffer shares memory with another op's buffer; takes ``(is_receive, spec)`` pairs."""
-    receives = contiguous = False
+def check_disjoint(specs: list[tuple[bool, Any]], what: str) -> None:
+    """ValueError if a receive buffer shares memory with another op's buffer.
+
+    Takes ``(is_receive, where)`` pairs; ``where`` is a resolved spec or a packed message's region.
+    """
+    receives = strided = False
     for receiving, spec in specs:  # plain loops: this runs on every batch
         receives = receives or receiving
-        contiguous = contiguous or spec[2] is not _BYTE
-    contiguous = not contiguous
+        strided = strided or type(spec) is tuple or spec[2] is not _BYTE
+    contiguous = not strided
     if not receives:
         return
     if contiguous and len(specs) == 2:  # the common exchange: one receive, one send

@@ -27,6 +27,7 @@ __all__ = [
     "adapter_for",
     "cuda_support",
     "override_cuda_aware",
+    "packing_pool",
     "pageable_host",
     "register_adapter",
     "staging_pool",
@@ -312,10 +313,12 @@ pageable_host = _PageableHost()
 class StagingPool:
     """Reusable host buffers (page-locked for a device adapter), by power-of-two size, per source."""
 
-    def __init__(self, keep_per_size: int = 4) -> None:
+    def __init__(self, keep_per_size: int = 4, keep_bytes: int = 1 << 62) -> None:
         self._free: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
         self._leased: dict[int, tuple[tuple[int, int], np.ndarray]] = {}
         self._keep = keep_per_size
+        self._keep_bytes = keep_bytes  # buffers kept for reuse hold at most this many bytes in all
+        self._kept = 0
         self._lock = threading.Lock()
         self.allocated = 0
 
@@ -330,6 +333,8 @@ class StagingPool:
         with self._lock:
             free = self._free[key]
             base = free.pop() if free else None
+            if base is not None:
+                self._kept -= key[1]
         if base is None:
             base = adapter.host_buffer(key[1])
             self.allocated += 1
@@ -343,8 +348,34 @@ class StagingPool:
         with self._lock:
             key, base = self._leased.pop(id(host))
             free = self._free[key]
-            if len(free) < self._keep:
-                free.append(base)
+            if len(free) >= self._keep or key[1] > self._keep_bytes:
+                return
+            if self._kept + key[1] > self._keep_bytes:
+                self._evict_other_than(key, self._kept + key[1] - self._keep_bytes)
+            free.append(base)
+            self._kept += key[1]
+
+    def _evict_other_than(self, key: tuple[int, int], nbytes: int) -> None:
+        """Drop kept buffers of other sizes (the largest first) until ``nbytes`` are freed: the size in use wins."""
+        for other in sorted(self._free, key=lambda k: -k[1]):
+            free = self._free[other]
+            while other != key and free and nbytes > 0:
+                free.pop()
+                self._kept -= other[1]
+                nbytes -= other[1]
+        while nbytes > 0 and self._free[key]:  # only buffers of this size are kept: make room among them
+            self._free[key].pop()
+            self._kept -= key[1]
+            nbytes -= key[1]
+
+    def trim(self) -> None:
+        """Drop every buffer kept for reuse (buffers in use are not affected)."""
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
 
 
 staging_pool = StagingPool()
+# A window of strided messages in flight (OSU's is 64) reuses its packing buffers; at most 256 MiB stay
+# kept, the size last used first (``packing_pool.trim()`` drops them).
+packing_pool = StagingPool(keep_per_size=64, keep_bytes=256 << 20)

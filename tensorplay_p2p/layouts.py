@@ -3,8 +3,8 @@
 A layout is ``(itemsize, shape, byte strides)``.  It is first simplified (unit dimensions
 dropped, dimensions that are contiguous in each other merged), so an ordinary contiguous
 tensor needs no derived type at all.  Otherwise the datatype is built once per simplified
-layout, committed, cached, and freed when it falls out of the cache (MPI lets pending
-operations that use a freed datatype complete normally).
+layout, committed, cached, and freed when it falls out of the cache (oldest first; MPI lets
+pending operations that use a freed datatype complete normally).
 """
 
 from __future__ import annotations
@@ -69,8 +69,22 @@ class Layout(NamedTuple):
         return not self.dims
 
 
+_plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Layout] = {}
+_PLANS_LIMIT = 4096
+
+
 def plan(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
-    """Simplify ``shape``/``strides`` (byte strides) into a Layout."""
+    """Simplify ``shape``/``strides`` (byte strides) into a Layout (remembered: a code reuses a few layouts)."""
+    key = (itemsize, shape, strides)
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) >= _PLANS_LIMIT:
+            _plans.clear()
+        found = _plans[key] = _simplify(itemsize, shape, strides)
+    return found
+
+
+def _simplify(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
     numel = 1
     for extent in shape:
         numel *= extent
@@ -96,8 +110,20 @@ def packs(layout: Layout) -> bool:
     return bool(layout.dims) and PACK_MIN <= layout.nbytes <= PACK_MAX
 
 
+_overlaps: dict[Layout, bool] = {}
+
+
 def may_overlap(layout: Layout) -> bool:
     """Whether two logical elements may share memory (so the layout cannot safely be received into)."""
+    found = _overlaps.get(layout)
+    if found is None:
+        if len(_overlaps) >= _PLANS_LIMIT:
+            _overlaps.clear()
+        found = _overlaps[layout] = _may_overlap(layout)
+    return found
+
+
+def _may_overlap(layout: Layout) -> bool:
     covered = layout.block
     for extent, stride in sorted(layout.dims, key=lambda d: abs(d[1])):
         if abs(stride) < covered:
@@ -109,10 +135,12 @@ def may_overlap(layout: Layout) -> bool:
 def datatype(layout: Layout) -> MPI.Datatype:
     """The committed MPI datatype that walks ``layout`` in C order from its lowest byte (cached)."""
     key = (layout.block, layout.dims)
+    found = _cache.get(key)  # a dict lookup is atomic; evictions are first in, first out
+    if found is not None:
+        return found
     with _lock:
         found = _cache.get(key)
         if found is not None:
-            _cache.move_to_end(key)
             return found
         built = build(layout)
         _cache[key] = built
@@ -151,14 +179,22 @@ def layout_of(dt: MPI.Datatype) -> Layout | None:
 
 
 def as_array(lowest: int, layout: Layout) -> np.ndarray:
-    """A numpy view (one void item per contiguous block, in C order) of the bytes a layout touches."""
+    """A numpy view (one item per contiguous block, in C order) of the bytes a layout touches."""
     memory: Any = MPI.buffer.fromaddress(lowest, layout.span)  # has the buffer protocol; its stubs do not say so
     shape = tuple(extent for extent, _ in layout.dims)
     strides = tuple(stride for _, stride in layout.dims)
     view: np.ndarray = np.ndarray(
-        shape, dtype=np.dtype((np.void, layout.block)), buffer=memory, offset=-layout.low, strides=strides
+        shape, dtype=block_dtype(layout.block), buffer=memory, offset=-layout.low, strides=strides
     )
     return view
+
+
+def block_dtype(block: int) -> np.dtype[Any]:
+    """A numpy dtype one block long; numpy copies unsigned integers faster than void items."""
+    return _UNSIGNED.get(block) or np.dtype((np.void, block))
+
+
+_UNSIGNED: dict[int, np.dtype[Any]] = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
 
 def shares_memory(lowest_a: int, a: Layout, lowest_b: int, b: Layout) -> bool:

@@ -258,7 +258,7 @@ def _post_batch(pg: ProcessGroup, p2p_op_list: Sequence[P2POp]) -> BatchWork:
             if type(keep) is packed:
                 any_packed = True
         if len(specs) > 1:
-            own = specs  # overlap is judged on the tensors' memory, not on private packing buffers
+            own: list[tuple[bool, Any]] = specs  # overlap is judged on the tensors' memory, not on packing buffers
             if any_packed:
                 own = [
                     (r, w._keep.region if type(w._keep) is packed else spec)

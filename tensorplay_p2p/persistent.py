@@ -106,7 +106,7 @@ class PersistentExchange:
         elif m.adapter is None and layouts.packs(layout):
             packed = np.empty(layout.nbytes, np.uint8)
             in_place = layouts.as_array(m.address + offset + layout.low, layout)
-            blocks = packed.view(np.dtype((np.void, layout.block))).reshape(in_place.shape)
+            blocks = packed.view(layouts.block_dtype(layout.block)).reshape(in_place.shape)
             copy = (in_place, blocks) if receive else (blocks, in_place)
             spec = [packed, layout.nbytes, MPI.BYTE]
         else:

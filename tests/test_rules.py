@@ -263,7 +263,7 @@ def test_batch_refuses_receive_buffers_that_share_memory() -> None:
                 dist.P2POp(dist.irecv, large[:, 1:4], PREV),
             ]
         )
-    assert devices.staging_pool.in_use == 0, "the packing buffers of a refused batch are given back"
+    assert devices.packing_pool.in_use == 0, "the packing buffers of a refused batch are given back"
     exchange_and_check(tag=0, value=11.0)
 
 
