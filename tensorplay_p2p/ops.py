@@ -14,7 +14,7 @@ from . import buffers, checked, layouts
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
 from .runtime import _state
-from .validate import _TAG_UB, check_tag, member_group, resolve_peer
+from .validate import _SINGLE_THREADED, _TAG_UB, check_tag, check_thread, member_group, resolve_peer
 from .work import BatchWork, Work, _orphans, reap_orphans
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -25,25 +25,12 @@ _PEER_NAMES = ("peer", "group_peer")
 _REQUEST_NULL = MPI.REQUEST_NULL
 
 
-def _prepare(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> tuple[Work, list[Any]]:
-    """Resolve the buffer into an unposted Work and its MPI spec."""
-    spec, nbytes, keep, after = buffers.resolve(tensor, op == "irecv", what)
-    return Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, after), spec
-
-
 def _add_header(work: Work, spec: list[Any], tensor: Any) -> list[Any]:
     """Checked mode: the same message with the dtype-and-shape header in front."""
     spec, work._nbytes, work._keep, work._after = checked.wrap(
         (spec, work._nbytes, work._keep, work._after), tensor, work._op == "isend"
     )
     return spec
-
-
-def _post(comm: MPI.Intracomm, work: Work, spec: list[Any]) -> None:
-    if work._op == "isend":
-        work._request = comm.Isend(spec, work._peer, work._tag)
-    else:
-        work._request = comm.Irecv(spec, work._peer, work._tag)
 
 
 def _posting_error(work: Work, what: str, exc: MPI.Exception) -> CommunicationError:
@@ -59,13 +46,17 @@ def _posting_error(work: Work, what: str, exc: MPI.Exception) -> CommunicationEr
 
 
 def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> Work:
-    work, spec = _prepare(pg, op, tensor, peer, tag, what)
+    spec, nbytes, keep, after = buffers.resolve(tensor, op == "irecv", what)
+    work = Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, after)
     try:
         if _state.checked:
             spec = _add_header(work, spec, tensor)
         if _orphans:
             reap_orphans()
-        _post(pg._comm, work, spec)  # type: ignore[arg-type]
+        if op == "isend":
+            work._request = pg._comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
+        else:
+            work._request = pg._comm.Irecv(spec, peer, tag)  # type: ignore[union-attr]
     except MPI.Exception as exc:
         error = _posting_error(work, what, exc)
         work._settle(error)
@@ -79,10 +70,24 @@ def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what:
     return work
 
 
+def _world_peer(peer: object, group: object, group_peer: object, tag: object, what: str) -> int:
+    """The common call (world group, int rank, valid tag) checked in one go: the peer, or -1 for the full checks."""
+    if group is None and group_peer is None and type(peer) is int and type(tag) is int:
+        world = GroupMember.WORLD
+        if world._comm is not None and 0 <= peer < world._size and 0 <= tag <= _TAG_UB:
+            if _SINGLE_THREADED:
+                check_thread(what)
+            return peer
+    return -1
+
+
 def isend(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst`` (rank in ``group``) without blocking."""
+    peer = _world_peer(dst, group, group_dst, tag, "isend")
+    if peer >= 0:
+        return _post_one(GroupMember.WORLD, "isend", tensor, peer, tag, "isend")
     pg = member_group(group, "isend")
     if pg is None:
         return None
@@ -94,6 +99,9 @@ def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
     """Receive into ``tensor`` from ``src``/``group_src`` (any source if neither) without blocking."""
+    peer = _world_peer(src, group, group_src, tag, "irecv")
+    if peer >= 0:
+        return _post_one(GroupMember.WORLD, "irecv", tensor, peer, tag, "irecv")
     pg = member_group(group, "irecv")
     if pg is None:
         return None

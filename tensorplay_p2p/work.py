@@ -109,18 +109,24 @@ class Work:
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes; raise its error if it failed. Returns True."""
-        seconds = None if timeout is None else _seconds(timeout, "timeout")
         if self._state == _PENDING:
-            status = _Status() if self._op == "irecv" else None
-            if seconds is None:
+            if timeout is None:
+                status = _Status() if self._op == "irecv" else None
                 try:
                     self._request.Wait(status)
                 except MPI.Exception as exc:
                     self._fail(exc.Get_error_code(), status)
                 else:
-                    self._complete(status)
+                    if status is None:
+                        self._settle(None)
+                    else:
+                        self._complete(status)
             else:
+                seconds = _seconds(timeout, "timeout")
+                assert seconds is not None
                 poll(self._test, seconds, lambda now: [] if self._test() else [self.describe(now)])
+        elif timeout is not None:
+            _seconds(timeout, "timeout")  # a bad timeout is an error whatever the state
         if self._exception is not None:
             raise self._exception
         return True
