@@ -10,11 +10,11 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers, checked, layouts
+from . import buffers, checked, layouts, validate, watchdog
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
 from .runtime import _state
-from .validate import _SINGLE_THREADED, _TAG_UB, check_tag, check_thread, member_group, resolve_peer
+from .validate import _TAG_UB, check_tag, member_group, resolve_peer
 from .work import BatchWork, Work, _orphans, reap_orphans
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -23,6 +23,9 @@ _SEND_NAMES = ("dst", "group_dst")
 _RECV_NAMES = ("src", "group_src")
 _PEER_NAMES = ("peer", "group_peer")
 _REQUEST_NULL = MPI.REQUEST_NULL
+_PROC_NULL = MPI.PROC_NULL
+_BYTE = MPI.BYTE
+_Status = MPI.Status
 
 
 def _add_header(work: Work, spec: list[Any], tensor: Any) -> list[Any]:
@@ -48,15 +51,21 @@ def _posting_error(work: Work, what: str, exc: MPI.Exception) -> CommunicationEr
 def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> Work:
     spec, nbytes, keep, after = buffers.resolve(tensor, op == "irecv", what)
     work = Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, after)
+    _post_work(pg, work, spec, tensor, what)
+    return work
+
+
+def _post_work(pg: ProcessGroup, work: Work, spec: list[Any], tensor: Any, what: str) -> None:
+    """Post ``work``'s one MPI call; on failure the Work is settled (buffers released) and the error raised."""
     try:
         if _state.checked:
             spec = _add_header(work, spec, tensor)
         if _orphans:
             reap_orphans()
-        if op == "isend":
-            work._request = pg._comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
+        if work._op == "isend":
+            work._request = pg._comm.Isend(spec, work._peer, work._tag)  # type: ignore[union-attr]
         else:
-            work._request = pg._comm.Irecv(spec, peer, tag)  # type: ignore[union-attr]
+            work._request = pg._comm.Irecv(spec, work._peer, work._tag)  # type: ignore[union-attr]
     except MPI.Exception as exc:
         error = _posting_error(work, what, exc)
         work._settle(error)
@@ -67,7 +76,6 @@ def _post_one(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what:
     finally:
         if layouts._retired:
             layouts.release_retired()
-    return work
 
 
 def _world_peer(peer: object, group: object, group_peer: object, tag: object, what: str) -> int:
@@ -75,8 +83,8 @@ def _world_peer(peer: object, group: object, group_peer: object, tag: object, wh
     if group is None and group_peer is None and type(peer) is int and type(tag) is int:
         world = GroupMember.WORLD
         if world._comm is not None and 0 <= peer < world._size and 0 <= tag <= _TAG_UB:
-            if _SINGLE_THREADED:
-                check_thread(what)
+            if validate._SINGLE_THREADED:  # read at each call: tests switch it
+                validate.check_thread(what)
             return peer
     return -1
 
@@ -113,28 +121,78 @@ def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` and block until its buffer may be reused."""
-    pg = member_group(group, "send")
-    if pg is None:
-        return
-    peer = resolve_peer(pg, dst, group_dst, "send", _SEND_NAMES)
+    peer = _world_peer(dst, group, group_dst, tag, "send")
+    if peer >= 0:
+        pg: ProcessGroup | None = GroupMember.WORLD
+    else:
+        pg = member_group(group, "send")
+        if pg is None:
+            return
+        peer = resolve_peer(pg, dst, group_dst, "send", _SEND_NAMES)
+        tag = check_tag(tag, "send")
+    assert pg is not None
     if peer == pg._rank:
         raise ValueError("send: the destination rank must not be the rank of the calling process (it would deadlock)")
-    _post_one(pg, "isend", tensor, peer, check_tag(tag, "send"), "send").wait()
+    _blocking(pg, "isend", tensor, peer, tag, "send")
 
 
 def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor``, blocking; returns the sender's global rank (-1 if not a group member)."""
-    pg = member_group(group, "recv")
-    if pg is None:
-        return -1
-    peer = resolve_peer(pg, src, group_src, "recv", _RECV_NAMES, optional=True)
+    peer = _world_peer(src, group, group_src, tag, "recv")
+    if peer >= 0:
+        pg: ProcessGroup | None = GroupMember.WORLD
+    else:
+        pg = member_group(group, "recv")
+        if pg is None:
+            return -1
+        peer = resolve_peer(pg, src, group_src, "recv", _RECV_NAMES, optional=True)
+        tag = check_tag(tag, "recv")
+    assert pg is not None
     if peer == pg._rank:
         raise ValueError("recv: the source rank must not be the rank of the calling process (it would deadlock)")
-    work = _post_one(pg, "irecv", tensor, peer, check_tag(tag, "recv"), "recv")
-    work.wait()
-    return work._source
+    return _blocking(pg, "irecv", tensor, peer, tag, "recv")
+
+
+def _blocking(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> int:
+    """A blocking send or receive; returns the sender's global rank for a receive (-1 for a send or PROC_NULL).
+
+    A plain host buffer goes straight to ``MPI_Send``/``MPI_Recv`` with no handle; a Work is made only
+    when there is more to do (staging, packing, checked mode, the watchdog) or to report a failure.
+    """
+    spec, nbytes, keep, after = buffers.resolve(tensor, op == "irecv", what)
+    if after is not None or _state.checked or watchdog.active:
+        work = Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, after)
+        _post_work(pg, work, spec, tensor, what)
+        work.wait()
+        return work._source
+    comm = pg._comm
+    assert comm is not None
+    if _orphans:
+        reap_orphans()
+    status = _Status() if op == "irecv" else None
+    try:
+        if status is None:
+            comm.Send(spec, peer, tag)
+        else:
+            comm.Recv(spec, peer, tag, status)
+    except MPI.Exception as exc:
+        failed = Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, None)
+        failed._fail(exc.Get_error_code(), status)
+        assert failed._exception is not None
+        raise failed._exception from exc
+    finally:
+        if layouts._retired:
+            layouts.release_retired()
+    if status is None or status.Get_source() == _PROC_NULL:
+        return -1
+    if status.Get_count(_BYTE) != nbytes:
+        done = Work(_REQUEST_NULL, op, pg, peer, tag, nbytes, keep, None)
+        done._complete(status)
+        assert done._exception is not None
+        raise done._exception
+    return pg._global_of[status.Get_source()]
 
 
 _OPS = (isend, irecv)
