@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -288,9 +288,6 @@ def poll(test: Callable[[], bool], timeout: float, pending: Callable[[float], li
 class BatchWork(list[Work]):
     """The per-op ``Work`` objects of one batch; ``wait`` completes them all with one ``Waitall``."""
 
-    def __init__(self, works: Iterable[Work] = ()) -> None:
-        super().__init__(works)
-
     def _pending(self) -> list[Work]:
         pending = []
         for w in self:
@@ -341,9 +338,10 @@ class BatchWork(list[Work]):
                     _Waitall(requests, statuses)
                 except MPI.Exception as exc:
                     self._settle(pending, statuses, exc)
+                    pending = self._pending()  # requests MPI reported as still pending: wait again
                 else:
                     self._settle(pending, statuses, None)
-                pending = self._pending()
+                    break
         for w in self:
             if w._exception is not None:
                 self._raise_failures()

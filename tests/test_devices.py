@@ -200,3 +200,32 @@ def test_failed_copy_back_fails_that_op_only_and_releases_everything() -> None:
     finally:
         devices.register_adapter(Breaking, None)
         devices.override_cuda_aware(None)
+
+
+def test_pool_keeps_the_size_in_use_within_its_byte_budget() -> None:
+    """The packing pool's policy: reuse by size, at most keep_bytes kept, other sizes evicted first; trim drops all."""
+    made: list[int] = []
+
+    class Counting:
+        def host_buffer(self, nbytes: int) -> np.ndarray:
+            made.append(nbytes)
+            return np.empty(nbytes, np.uint8)
+
+    source, pool = Counting(), devices.StagingPool(keep_per_size=8, keep_bytes=4096)
+    small = [pool.take(source, 1000) for _ in range(4)]  # four 1024-byte buffers: the whole budget
+    for buffer in small:
+        pool.give(buffer)
+    assert len(made) == 4 and pool.in_use == 0
+    again = [pool.take(source, 1024) for _ in range(4)]
+    assert len(made) == 4, "kept buffers of the size class are reused"
+    for buffer in again:
+        pool.give(buffer)
+    large = pool.take(source, 3000)  # a 4096-byte class: the 1024-byte ones make room for it
+    pool.give(large)
+    assert pool.take(source, 4096) is not None and len(made) == 5
+    assert len(pool._free[(id(source), 1024)]) == 0
+    pool.trim()
+    assert pool._kept == 0 and not any(pool._free.values())
+    huge = pool.take(source, 8192)  # larger than the whole budget: never kept
+    pool.give(huge)
+    assert not pool._free[(id(source), 8192)]
