@@ -395,7 +395,12 @@ def latency_gloo(s: Setting) -> Loop:
 
 def bw_tensorplay(s: Setting) -> Loop:
     """Window of isend (or irecv on the receiver), each waited, then a send/recv ack."""
-    data, ack, peer = (filled(s.size) if s.leader else empty(s.size)), empty(ACK_BYTES), s.peer
+    return bw_window(s, filled(s.size) if s.leader else empty(s.size))
+
+
+def bw_window(s: Setting, data: Any) -> Loop:
+    """The tensorplay_p2p bandwidth loop over ``data``: a window of isend (or irecv), each waited, then an ack."""
+    ack, peer = empty(ACK_BYTES), s.peer
 
     def body(n: int) -> None:
         for _ in range(n):
@@ -461,22 +466,7 @@ def strided_message(s: Setting) -> Field:
 
 def bw_strided_tensorplay(s: Setting) -> Loop:
     """Window of isend (or irecv) of the strided view itself, each waited, then an ack."""
-    data, ack, peer = strided_message(s), empty(ACK_BYTES), s.peer
-
-    def body(n: int) -> None:
-        for _ in range(n):
-            if s.leader:
-                works = [tp_isend(data, peer, tag=DATA_TAG) for _ in range(WINDOW)]
-                for work in works:
-                    work.wait()
-                tp.recv(ack, peer, tag=ACK_TAG)
-            else:
-                works = [tp_irecv(data, peer, tag=DATA_TAG) for _ in range(WINDOW)]
-                for work in works:
-                    work.wait()
-                tp.send(ack, peer, tag=ACK_TAG)
-
-    return Loop(timed(body))
+    return bw_window(s, strided_message(s))
 
 
 def bw_strided_mpi4py(s: Setting) -> Loop:

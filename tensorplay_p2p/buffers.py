@@ -227,27 +227,33 @@ def _staged(m: Memory, nbytes: int, writable: bool) -> Resolved:
     assert adapter is not None
     host = pool.take(adapter, nbytes)
     if writable:
-
-        def copy_back(work: Work, error: CommunicationError | None) -> CommunicationError | None:
-            try:
-                if error is None:
-                    adapter.from_host(host, array)
-            finally:
-                pool.give(host)
-            return error
-
-        return [host, nbytes, _BYTE], nbytes, (m.keep, host), copy_back
+        return (
+            [host, nbytes, _BYTE],
+            nbytes,
+            (m.keep, host),
+            _give_back(pool, host, lambda: adapter.from_host(host, array)),
+        )
     try:
         adapter.to_host(array, host)
     except BaseException:
         pool.give(host)
         raise
+    return [host, nbytes, _BYTE], nbytes, (m.keep, host), _give_back(pool, host, None)
 
-    def release(work: Work, error: CommunicationError | None) -> CommunicationError | None:
-        pool.give(host)
+
+def _give_back(pool: devices.StagingPool, host: np.ndarray, copy_out: Callable[[], None] | None) -> After:
+    """The after-hook of a message through a pooled buffer: ``copy_out`` (a receive's data, if it arrived), then
+    the buffer goes back to the pool."""
+
+    def after(work: Work, error: CommunicationError | None) -> CommunicationError | None:
+        try:
+            if error is None and copy_out is not None:
+                copy_out()
+        finally:
+            pool.give(host)
         return error
 
-    return [host, nbytes, _BYTE], nbytes, (m.keep, host), release
+    return after
 
 
 def _packed(m: Memory, layout: layouts.Layout, writable: bool) -> Resolved:
@@ -268,23 +274,8 @@ def _through_buffer(in_place: np.ndarray, dtype: Any, keep: Any, region: Region,
     except BaseException:
         pool.give(host)
         raise
-    if writable:
-
-        def unpack(work: Work, error: CommunicationError | None) -> CommunicationError | None:
-            try:
-                if error is None:
-                    np.copyto(in_place, blocks)
-            finally:
-                pool.give(host)
-            return error
-
-        return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), unpack
-
-    def release(work: Work, error: CommunicationError | None) -> CommunicationError | None:
-        pool.give(host)
-        return error
-
-    return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), release
+    copy_out = (lambda: np.copyto(in_place, blocks)) if writable else None
+    return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), _give_back(pool, host, copy_out)
 
 
 def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:

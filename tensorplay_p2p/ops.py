@@ -78,15 +78,21 @@ def _post_work(pg: ProcessGroup, work: Work, spec: list[Any], tensor: Any, what:
             layouts.release_retired()
 
 
-def _world_peer(peer: object, group: object, group_peer: object, tag: object, what: str) -> int:
-    """The common call (world group, int rank, valid tag) checked in one go: the peer, or -1 for the full checks."""
+def _world_rank(peer: object, group: object, group_peer: object, tag: object) -> int:
+    """The common arguments (world group, int rank, valid tag) checked at once: the rank, or -1 for the full checks."""
     if group is None and group_peer is None and type(peer) is int and type(tag) is int:
         world = GroupMember.WORLD
         if world._comm is not None and 0 <= peer < world._size and 0 <= tag <= _TAG_UB:
-            if validate._SINGLE_THREADED:  # read at each call: tests switch it
-                validate.check_thread(what)
-            return peer
+            return peer  # the world group is MPI_COMM_WORLD: group and global ranks agree
     return -1
+
+
+def _world_peer(peer: object, group: object, group_peer: object, tag: object, what: str) -> int:
+    """``_world_rank`` for a call that posts now (so the thread rule applies too)."""
+    rank = _world_rank(peer, group, group_peer, tag)
+    if rank >= 0 and validate._SINGLE_THREADED:  # read at each call: tests switch it
+        validate.check_thread(what)
+    return rank
 
 
 def isend(
@@ -121,38 +127,39 @@ def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` and block until its buffer may be reused."""
-    peer = _world_peer(dst, group, group_dst, tag, "send")
-    if peer >= 0:
-        pg: ProcessGroup | None = GroupMember.WORLD
-    else:
-        pg = member_group(group, "send")
-        if pg is None:
-            return
-        peer = resolve_peer(pg, dst, group_dst, "send", _SEND_NAMES)
-        tag = check_tag(tag, "send")
-    assert pg is not None
-    if peer == pg._rank:
-        raise ValueError("send: the destination rank must not be the rank of the calling process (it would deadlock)")
-    _blocking(pg, "isend", tensor, peer, tag, "send")
+    target = _blocking_target("send", dst, group, group_dst, tag, _SEND_NAMES)
+    if target is not None:
+        _blocking(target[0], "isend", tensor, target[1], target[2], "send")
 
 
 def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor``, blocking; returns the sender's global rank (-1 if not a group member)."""
-    peer = _world_peer(src, group, group_src, tag, "recv")
-    if peer >= 0:
+    target = _blocking_target("recv", src, group, group_src, tag, _RECV_NAMES)
+    if target is None:
+        return -1
+    return _blocking(target[0], "irecv", tensor, target[1], target[2], "recv")
+
+
+def _blocking_target(
+    what: str, peer: int | None, group: ProcessGroup | None, group_peer: int | None, tag: int, names: tuple[str, str]
+) -> tuple[ProcessGroup, int, int] | None:
+    """Group, peer rank and tag of a blocking call (None on a non-member); the caller itself is refused as peer."""
+    rank = _world_peer(peer, group, group_peer, tag, what)
+    if rank >= 0:
         pg: ProcessGroup | None = GroupMember.WORLD
     else:
-        pg = member_group(group, "recv")
+        pg = member_group(group, what)
         if pg is None:
-            return -1
-        peer = resolve_peer(pg, src, group_src, "recv", _RECV_NAMES, optional=True)
-        tag = check_tag(tag, "recv")
+            return None
+        rank = resolve_peer(pg, peer, group_peer, what, names, optional=what == "recv")
+        tag = check_tag(tag, what)
     assert pg is not None
-    if peer == pg._rank:
-        raise ValueError("recv: the source rank must not be the rank of the calling process (it would deadlock)")
-    return _blocking(pg, "irecv", tensor, peer, tag, "recv")
+    if rank == pg._rank:
+        role = "destination" if what == "send" else "source"
+        raise ValueError(f"{what}: the {role} rank must not be the rank of the calling process (it would deadlock)")
+    return pg, rank, tag
 
 
 def _blocking(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what: str) -> int:
@@ -219,17 +226,24 @@ class P2POp:
         tag: int = 0,
         group_peer: int | None = None,
     ) -> None:
-        if group is None and group_peer is None and type(peer) is int and type(tag) is int:
-            world = GroupMember.WORLD  # the common case, checked without the general path's translation
-            if world._comm is not None and 0 <= peer < world._size and 0 <= tag <= _TAG_UB and op in _OPS:
-                init = object.__setattr__
-                init(self, "op", op)
-                init(self, "tensor", tensor)
-                init(self, "group", None)
-                init(self, "tag", tag)
-                init(self, "peer", peer)
-                init(self, "group_peer", world._group_of[peer])
-                return
+        rank = _world_rank(peer, group, group_peer, tag) if op in _OPS else -1
+        if rank >= 0:
+            global_rank = rank
+        else:
+            global_rank, rank, tag = self._check(op, peer, group, tag, group_peer)
+        init = object.__setattr__
+        init(self, "op", op)
+        init(self, "tensor", tensor)
+        init(self, "group", group)
+        init(self, "tag", tag)
+        init(self, "peer", global_rank)
+        init(self, "group_peer", rank)
+
+    @staticmethod
+    def _check(
+        op: Callable[..., Any], peer: int | None, group: ProcessGroup | None, tag: int, group_peer: int | None
+    ) -> tuple[int, int, int]:
+        """The general checks: (global peer, group peer, tag), or the error naming what is wrong."""
         if op is not isend and op is not irecv:
             raise ValueError(
                 "Invalid ``op``. Expected ``op`` to be of type ``tensorplay_p2p.isend`` or ``tensorplay_p2p.irecv``, "
@@ -249,13 +263,7 @@ class P2POp:
                 raise ValueError(f"{what}: give exactly one of peer and group_peer")
             global_rank = -1 if peer is None else peer
             rank = -1 if group_peer is None else group_peer
-        init = object.__setattr__
-        init(self, "op", op)
-        init(self, "tensor", tensor)
-        init(self, "group", group)
-        init(self, "tag", tag)
-        init(self, "peer", global_rank)
-        init(self, "group_peer", rank)
+        return global_rank, rank, tag
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"P2POp is immutable (it was checked when built); make a new P2POp to change {name!r}")
