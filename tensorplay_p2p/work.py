@@ -33,25 +33,25 @@ _PROC_NULL = MPI.PROC_NULL
 _REQUEST_NULL = MPI.REQUEST_NULL
 _BYTE = MPI.BYTE
 
-# Requests whose Work was dropped while MPI could still touch the buffer: kept (with the
-# buffer) until they complete, so MPI never writes into freed memory.
-_orphans: list[tuple[MPI.Request, Any]] = []
+# Works dropped while MPI could still touch their buffers: kept (with the buffers) until they
+# complete, so MPI never writes into freed memory, and then finished like any other Work: a
+# staged or packed receive is copied out, pooled buffers and checked-mode datatypes are released.
+_orphans: list[Work] = []
 _orphans_lock = threading.Lock()
 
 
 def reap_orphans() -> None:
-    """Release dropped requests that have completed since; a dropped request that failed is reported as a warning."""
+    """Finish dropped Works that have completed since; one that failed is reported as a warning."""
     with _orphans_lock:
         dropped = list(_orphans)
         _orphans.clear()
     alive = []
-    for request, keep in dropped:
-        try:
-            if not request.Test():
-                alive.append((request, keep))
-        except MPI.Exception as exc:
+    for work in dropped:
+        if not work._test():
+            alive.append(work)
+        elif work._exception is not None:
             warnings.warn(
-                f"an operation whose Work was dropped without wait() failed: {exc.Get_error_string().strip()}",
+                f"an operation whose Work was dropped without wait() failed: {work._exception}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -105,7 +105,7 @@ class Work:
 
     def __del__(self) -> None:
         if self._state == _PENDING and self._request:
-            _orphans.append((self._request, self._keep))
+            _orphans.append(self)  # kept alive until MPI is done with it (PEP 442: __del__ runs once)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes; raise its error if it failed. Returns True."""
