@@ -60,6 +60,20 @@ def test_strided_and_any_source_messages_pass() -> None:
     assert recv.source_rank() == PREV and into2[0] == PREV
 
 
+def test_packed_strided_messages_are_checked_too() -> None:
+    """Strided messages of 8 KiB and more travel packed; the header still names dtype and shape on a mismatch."""
+    base = np.arange(3300.0).reshape(1100, 3) + RANK
+    into = np.full((1100, 3), -1.0)
+    _exchange(base[:, 1], into[:, 2], tag=3).wait(timeout=WAIT)
+    np.testing.assert_array_equal(into[:, 2], (np.arange(3300.0).reshape(1100, 3) + PREV)[:, 1])
+    np.testing.assert_array_equal(into[:, :2], -1.0)
+    wrong = np.full((2200, 2), -1.0, dtype=np.float32)
+    work = _exchange(base[:, 0], wrong[:, 1], tag=4)
+    with pytest.raises(dist.MessageMismatchError, match=r"sent float64 \(1100,\), the receiver expects float32"):
+        work.wait(timeout=WAIT)
+    np.testing.assert_array_equal(wrong, -1.0)  # nothing is unpacked from a rejected message
+
+
 def test_same_bytes_wrong_dtype_is_named() -> None:
     work = _exchange(np.zeros(4, dtype=np.int32), np.zeros(4, dtype=np.float32), tag=1)
     with pytest.raises(
