@@ -18,7 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 sizes=${TP2P_SIZES:-"1 2 3 4"}
 network_sizes=${TP2P_NETWORK_SIZES-"2"}
-limit=${TP2P_TIMEOUT:-900}
+limit=${TP2P_TIMEOUT:-300}  # the longest run takes about a minute here; a deadlock should not cost more
 python=${PYTHON:-python}
 source "$here/launcher.sh"
 
