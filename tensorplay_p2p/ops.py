@@ -1,6 +1,8 @@
 """Point-to-point operations: isend, irecv, send, recv, P2POp and batch_isend_irecv.
 
 Each call flows one way: validate arguments → resolve the buffer → post one MPI call → Work.
+Blocking calls on plain host buffers stop at the MPI call (``MPI_Send``/``MPI_Recv``): no Work
+is needed when nothing remains to be done after it.
 """
 
 from __future__ import annotations
