@@ -9,6 +9,7 @@ pending operations that use a freed datatype complete normally).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
@@ -69,22 +70,9 @@ class Layout(NamedTuple):
         return not self.dims
 
 
-_plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Layout] = {}
-_PLANS_LIMIT = 4096
-
-
+@functools.lru_cache(maxsize=4096)  # a code reuses a few layouts; each is simplified once
 def plan(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
-    """Simplify ``shape``/``strides`` (byte strides) into a Layout (remembered: a code reuses a few layouts)."""
-    key = (itemsize, shape, strides)
-    found = _plans.get(key)
-    if found is None:
-        if len(_plans) >= _PLANS_LIMIT:
-            _plans.clear()
-        found = _plans[key] = _simplify(itemsize, shape, strides)
-    return found
-
-
-def _simplify(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Layout:
+    """Simplify ``shape``/``strides`` (byte strides) into a Layout."""
     numel = 1
     for extent in shape:
         numel *= extent
@@ -110,20 +98,9 @@ def packs(layout: Layout) -> bool:
     return bool(layout.dims) and PACK_MIN <= layout.nbytes <= PACK_MAX
 
 
-_overlaps: dict[Layout, bool] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def may_overlap(layout: Layout) -> bool:
     """Whether two logical elements may share memory (so the layout cannot safely be received into)."""
-    found = _overlaps.get(layout)
-    if found is None:
-        if len(_overlaps) >= _PLANS_LIMIT:
-            _overlaps.clear()
-        found = _overlaps[layout] = _may_overlap(layout)
-    return found
-
-
-def _may_overlap(layout: Layout) -> bool:
     covered = layout.block
     for extent, stride in sorted(layout.dims, key=lambda d: abs(d[1])):
         if abs(stride) < covered:
