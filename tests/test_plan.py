@@ -44,17 +44,23 @@ def test_plan_repeats_the_exchange_with_new_contents() -> None:
         plan.exchange()
 
 
-def test_plan_size_mismatch_and_refusals() -> None:
+@pytest.mark.parametrize(
+    ("sent", "error"), [(3, "has 3 bytes where 4 were expected"), (6, "is longer than the 4 bytes expected")]
+)
+def test_plan_message_of_the_wrong_size_is_a_size_error(sent: int, error: str) -> None:
     with (
         dist.P2PPlan(
             [
-                dist.P2POp(dist.isend, np.zeros(3, dtype=np.uint8), NEXT, tag=3),
+                dist.P2POp(dist.isend, np.zeros(sent, dtype=np.uint8), NEXT, tag=3),
                 dist.P2POp(dist.irecv, np.zeros(4, dtype=np.uint8), PREV, tag=3),
             ]
         ) as plan,
-        pytest.raises(dist.MessageSizeError, match="has 3 bytes where 4 were expected"),
+        pytest.raises(dist.MessageSizeError, match=error),
     ):
         plan.exchange(timeout=WAIT)
+
+
+def test_plan_refusals() -> None:
     buf = np.zeros(4)
     with pytest.raises(ValueError, match="items 0 and 1 share memory"):
         dist.P2PPlan([dist.P2POp(dist.isend, buf, NEXT), dist.P2POp(dist.irecv, buf, PREV)])
@@ -86,19 +92,6 @@ def test_plan_with_staged_device_tensors(fake: FakeAdapter) -> None:
             np.testing.assert_array_equal(into.array, np.full(5, float(step + PREV)))
     assert devices.staging_pool.in_use == 0
     assert fake.log.count("to_host") == 3 and fake.log.count("from_host") == 3
-
-
-def test_plan_longer_message_is_a_size_error() -> None:
-    with (
-        dist.P2PPlan(
-            [
-                dist.P2POp(dist.isend, np.zeros(6, dtype=np.uint8), NEXT, tag=5),
-                dist.P2POp(dist.irecv, np.zeros(4, dtype=np.uint8), PREV, tag=5),
-            ]
-        ) as plan,
-        pytest.raises(dist.MessageSizeError, match="is longer than the 4 bytes expected"),
-    ):
-        plan.exchange(timeout=WAIT)
 
 
 def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone() -> None:
