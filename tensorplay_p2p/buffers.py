@@ -83,7 +83,9 @@ def _buffer_memory(obj: Any, writable: bool, what: str) -> Memory:
             f"{what}: expected a tensor (numpy array, torch tensor, DLPack or CUDA array, or an object with the "
             f"buffer protocol), got {type(obj).__name__}"
         ) from None
-    return _numpy_memory(np.asarray(view), writable, what, type(obj).__name__)._replace(keep=obj)
+    # The array (through its base, the memoryview) keeps ``obj`` exported until the operation is done, so a
+    # bytearray cannot be resized, nor an mmap closed, while MPI may still use its memory.
+    return _numpy_memory(np.asarray(view), writable, what, type(obj).__name__)
 
 
 def _torch_memory(t: Any, writable: bool, what: str) -> Memory:
