@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 
 from mpi4py import MPI
@@ -17,6 +19,9 @@ GRACE = 0.5
 
 def abort_job(report: str, code: int) -> None:
     """Write ``report`` to stderr, give the launcher time to forward it, and ``MPI_Abort`` the job."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the abort short
+            signal.signal(signum, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.write(report)
     sys.stderr.flush()

@@ -7,17 +7,18 @@ is needed when nothing remains to be done after it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpi4py import MPI
 
-from . import buffers, checked, layouts, validate, watchdog
+from . import buffers, checked, layouts, signals, validate, watchdog
 from .errors import CommunicationError
 from .groups import GroupMember, ProcessGroup
 from .runtime import _state
 from .validate import _TAG_UB, check_tag, member_group, resolve_peer
-from .work import BatchWork, Work, _orphans, reap_orphans
+from .work import BatchWork, Work, _orphans, describe_op, reap_orphans
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
@@ -181,6 +182,7 @@ def _blocking(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what:
     if _orphans:
         reap_orphans()
     status = _Status() if op == "irecv" else None
+    posted = time.monotonic()  # noqa: F841 (read from this frame by a signal's report; see signals)
     try:
         if status is None:
             comm.Send(spec, peer, tag)
@@ -203,6 +205,15 @@ def _blocking(pg: ProcessGroup, op: str, tensor: Any, peer: int, tag: int, what:
         raise done._exception
     return pg._global_of[status.Get_source()]
 
+
+def _blocking_lines(scope: dict[str, Any], now: float) -> list[str]:
+    """For a signal's report: the blocking call in progress, read from ``_blocking``'s local variables."""
+    if "posted" not in scope:
+        return []  # not in MPI yet
+    return [describe_op(scope["op"], scope["pg"], scope["peer"], scope["tag"], scope["nbytes"], now - scope["posted"])]
+
+
+signals.register_wait(_blocking, _blocking_lines)
 
 _OPS = (isend, irecv)
 

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import groups, layouts, watchdog
+from . import groups, layouts, signals, watchdog
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
@@ -23,11 +23,14 @@ __all__ = [
 
 ENV_CHECK = "TENSORPLAY_P2P_CHECK"
 ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
+ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
 
 
-def _env_flag(name: str) -> bool:
+def _env_flag(name: str, default: bool = False) -> bool:
     value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    if not value:
+        return default
+    if value in ("0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
@@ -77,6 +80,8 @@ def _env_timeout() -> float | None:
 
 if (_startup_timeout := _env_timeout()) is not None:
     watchdog.enable(_startup_timeout)
+if _env_flag(ENV_SIGNALS, default=True):
+    signals.install()  # Ctrl-C and SIGTERM end a rank stuck in a wait (see signals)
 
 
 def init_process_group(

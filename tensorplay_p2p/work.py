@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -12,13 +13,13 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import watchdog
+from . import signals, watchdog
 from .buffers import After
 from .errors import CommunicationError, CommunicationTimeout, MessageSizeError
 from .groups import ProcessGroup
 from .runtime import _seconds
 
-__all__ = ["BatchWork", "Work"]
+__all__ = ["BatchWork", "Work", "describe_op", "finish_orphans_at_exit", "reap_orphans"]
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _Status = MPI.Status
@@ -57,6 +58,32 @@ def reap_orphans() -> None:
             )
     with _orphans_lock:
         _orphans.extend(alive)
+
+
+EXIT_GRACE = 2.0  # seconds that dropped operations still pending at exit get to complete
+
+
+def finish_orphans_at_exit() -> None:
+    """At exit, before MPI is finalized: let dropped operations complete, then name those still pending."""
+    if not _orphans or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + EXIT_GRACE
+    reap_orphans()
+    while _orphans and time.monotonic() < deadline:
+        time.sleep(1e-3)
+        reap_orphans()
+    if _orphans:
+        now = time.monotonic()
+        warnings.warn(
+            f"tensorplay_p2p: rank {MPI.COMM_WORLD.Get_rank()} exits with {len(_orphans)} operation(s) still "
+            "pending whose Work was dropped without wait(); their peers may wait forever or fail:\n  "
+            + "\n  ".join(w.describe(now) for w in _orphans),
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+atexit.register(finish_orphans_at_exit)  # runs before mpi4py finalizes MPI
 
 
 class Work:
@@ -164,11 +191,8 @@ class Work:
 
     def describe(self, now: float | None = None) -> str:
         """One line naming the op, peers, tag, size, group and (with ``now``) how long it has waited."""
-        pg = self._group
-        peer = pg._peer_text(self._peer) + (f" (group rank {self._peer})" if self._peer >= 0 else "")
-        direction = "to" if self._op == "isend" else "from"
-        waited = "" if now is None else f", pending for {now - self._posted:.1f} s"
-        return f"{self._op} {direction} {peer}, tag {self._tag}, {self._nbytes} bytes, group {pg.name!r}{waited}"
+        waited = None if now is None else now - self._posted
+        return describe_op(self._op, self._group, self._peer, self._tag, self._nbytes, waited)
 
     def _complete(self, status: MPI.Status | None) -> None:
         error: CommunicationError | None = None
@@ -235,6 +259,14 @@ class Work:
             return False
         self._settle(CommunicationError(f"{self.describe()}: cancelled", op=self._op))
         return True
+
+
+def describe_op(op: str, group: ProcessGroup, peer: int, tag: int, nbytes: int, waited: float | None) -> str:
+    """One line naming an op (``"isend"``/``"irecv"``), its peer, tag, size, group and how long it has waited."""
+    text = group._peer_text(peer) + (f" (group rank {peer})" if peer >= 0 else "")
+    direction = "to" if op == "isend" else "from"
+    pending = "" if waited is None else f", pending for {waited:.1f} s"
+    return f"{op} {direction} {text}, tag {tag}, {nbytes} bytes, group {group.name!r}{pending}"
 
 
 def _error(work: Work, code: int, status: MPI.Status | None) -> CommunicationError:
@@ -380,3 +412,7 @@ class BatchWork(list[Work]):
         if len(failed) == 1:
             raise failed[0]
         raise CommunicationError(f"{len(failed)} ops of the batch failed:\n  " + "\n  ".join(map(str, failed)))
+
+
+signals.register_wait(Work.wait, lambda scope, now: scope["self"].pending_lines(now))
+signals.register_wait(BatchWork.wait, lambda scope, now: [line for w in scope["self"] for line in w.pending_lines(now)])

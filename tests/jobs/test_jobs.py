@@ -169,3 +169,45 @@ def test_a_timeout_report_lists_what_is_pending(tmp_path: Path) -> None:
     assert "timed out after 0.5 s with" in output
     assert "irecv from rank 1 (group rank 1), tag 7, 24 bytes, group 'WORLD', pending for 0.5 s" in output
     assert "completed after the timeout" in output
+
+
+def test_a_dropped_send_still_completes_at_exit(tmp_path: Path) -> None:
+    status, _, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        n = 4 << 20  # 32 MiB: the send completes only while the sender's MPI makes progress
+        if dist.get_rank() == 0:
+            dist.isend(np.full(n, 7.0), dst=1, tag=3)  # the Work is dropped: the exit lets it finish
+        else:
+            import time
+            time.sleep(1)  # rank 0 is exiting by now: without the exit's grace its memory would be gone
+            into = np.zeros(n)
+            dist.recv(into, src=0, tag=3)
+            assert (into == 7.0).all()
+            print("received", flush=True)
+        """,
+        launcher=False,
+    )
+    assert status == 0, output
+    assert "received" in output and "still pending" not in output
+
+
+def test_a_dropped_operation_pending_at_exit_is_named(tmp_path: Path) -> None:
+    status, _, output = run_job(
+        tmp_path,
+        2,
+        """
+        import numpy as np
+        import tensorplay_p2p as dist
+        if dist.get_rank() == 0:
+            dist.irecv(np.zeros(3), src=1, tag=4)  # never sent; the Work is dropped
+        dist.barrier()
+        """,
+        launcher=False,
+    )
+    assert status == 0, output  # a warning, not a failure
+    assert "rank 0 exits with 1 operation(s) still pending whose Work was dropped without wait()" in output, output
+    assert "irecv from rank 1 (group rank 1), tag 4, 24 bytes, group 'WORLD', pending for 2." in output

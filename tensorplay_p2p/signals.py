@@ -1,0 +1,148 @@
+"""Ctrl-C and the scheduler's SIGTERM end a rank stuck in a blocking wait, with a report of what it waited for.
+
+CPython runs a signal's Python handler only between bytecodes, so a rank blocked inside
+``MPI_Wait``, ``MPI_Waitall`` or ``MPI_Recv`` never sees Ctrl-C or the SIGTERM of ``scancel``
+and ``qdel``: the job sits until SIGKILL.  Here a daemon thread sleeps on the interpreter's
+signal wake-up fd, so nothing runs per call.  When SIGINT or SIGTERM arrives while the main
+thread is inside one of the package's blocking waits, and it is still in the same wait a
+moment later (its Python handler could not run), the thread prints what every thread of the
+rank is waiting for, in the watchdog's format, and aborts the job with exit status 128 plus
+the signal number.
+
+Nothing else changes: outside a wait, KeyboardInterrupt reaches the program as usual, and a
+signal whose handler the program installed itself is left to that handler.  SIGTERM keeps its
+default effect (the process ends) through a handler that restores the default and re-raises
+it.  ``TENSORPLAY_P2P_SIGNALS=0`` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+from mpi4py import MPI
+
+from .abort import abort_job
+
+__all__ = ["GRACE", "install", "register_wait"]
+
+GRACE = 0.1  # seconds the main thread gets to run the signal's handler before it is taken as stuck
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+Lines = Callable[[dict[str, Any], float], list[str]]  # (the wait's local variables, now) → what is pending
+_waits: dict[CodeType, Lines] = {}
+_terminations = 0  # how many times the SIGTERM handler has run
+_installed = False
+
+
+def register_wait(function: Callable[..., Any], lines: Lines) -> None:
+    """Declare ``function`` a blocking wait; ``lines`` describes what is pending from its local variables."""
+    _waits[function.__code__] = lines
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM outside a wait: what the default disposition does, the process ends by the signal."""
+    global _terminations
+    _terminations += 1
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _ours(signum: int) -> bool:
+    handler = signal.getsignal(signum)
+    return handler is (signal.default_int_handler if signum == signal.SIGINT else _terminate)
+
+
+def _waiting_frame(frames: dict[int, FrameType], ident: int | None) -> FrameType | None:
+    frame = frames.get(ident) if ident is not None else None
+    return frame if frame is not None and frame.f_code in _waits else None
+
+
+def _pending_lines(now: float) -> list[str]:
+    lines = []
+    for frame in sys._current_frames().values():
+        if frame.f_code in _waits:
+            lines += _waits[frame.f_code](frame.f_locals, now)
+    return lines
+
+
+def _on_signal(signum: int) -> None:
+    if not _ours(signum):
+        return
+    main = threading.main_thread().ident
+    before = _waiting_frame(sys._current_frames(), main)
+    position = before.f_lasti if before is not None else -1
+    terminations = _terminations
+    time.sleep(GRACE)
+    if signum == signal.SIGTERM and _terminations != terminations:
+        return  # the handler ran: the process is ending as SIGTERM's default would end it
+    after = _waiting_frame(sys._current_frames(), main)
+    if before is not None and after is before and after.f_lasti == position:
+        _abort(signum)
+    elif signum == signal.SIGTERM:
+        _die(signum)  # the main thread is busy outside Python: end the process as the default would
+
+
+def _abort(signum: int) -> None:
+    lines = _pending_lines(time.monotonic()) or ["(the wait completed as the signal was handled)"]
+    name = signal.Signals(signum).name
+    report = (
+        f"tensorplay_p2p: rank {MPI.COMM_WORLD.Get_rank()} on host {socket.gethostname()} received {name} while "
+        f"blocked in a wait; aborting the job:\n  " + "\n  ".join(lines) + "\n"
+    )
+    abort_job(report, 128 + signum)
+
+
+def _die(signum: int) -> None:
+    libc = ctypes.CDLL(None)
+    libc.signal(signum, ctypes.c_void_p(0))  # SIG_DFL, set from this thread (Python's signal.signal cannot)
+    os.kill(os.getpid(), signum)
+
+
+def _listen(read_fd: int, forward_fd: int) -> None:
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if forward_fd >= 0:  # the wake-up fd that was set before ours still hears every signal
+            with contextlib.suppress(OSError):
+                os.write(forward_fd, data)
+        for signum in data:
+            if signum in SIGNALS:
+                _on_signal(signum)
+
+
+def install() -> None:
+    """Start the listener (once, from the main thread; a no-op from any other thread)."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    forward_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+
+    def in_child() -> None:  # a forked child has no listener: its signals must not reach the parent's
+        global _installed
+        _installed = False
+        if signal.getsignal(signal.SIGTERM) is _terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(forward_fd)
+        os.close(read_fd)
+        os.close(write_fd)
+
+    os.register_at_fork(after_in_child=in_child)
+    threading.Thread(target=_listen, args=(read_fd, forward_fd), name="tensorplay_p2p-signals", daemon=True).start()

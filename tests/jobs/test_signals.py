@@ -1,0 +1,189 @@
+"""Ctrl-C and SIGTERM end a job whose ranks are stuck in a blocking wait, each rank naming what it waited for.
+
+Each job's ranks post a receive that never matches, write ``ready.RANK`` (holding their pid) and
+block.  The test then signals ``mpiexec`` or the ranks, as a terminal or a scheduler would, and
+checks the exit status, the time from the signal to the end, and every rank's report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_jobs import LIMIT, MPIEXEC, launch_flags
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+OPEN_MPI = "--oversubscribe" in launch_flags()
+ENDS_WITHIN = 5.0  # seconds from the signal to the job's end; measured about 0.8 s here
+
+PREAMBLE = """
+import os, sys, time
+import numpy as np
+import tensorplay_p2p as dist
+rank, size = dist.get_rank(), dist.get_world_size()
+peer = (rank + 1) % size
+
+def ready():
+    with open(f"ready.{rank}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"ready.{rank}.tmp", f"ready.{rank}")
+"""
+
+# Each blocks in a different wait on a message that is never sent (tag 5 is used by nobody).
+WAITS = {
+    "irecv-wait": "w = dist.irecv(np.zeros(4), peer, tag=5); ready(); w.wait()",
+    "batch-wait": (
+        "w = dist.batch_isend_irecv([dist.P2POp(dist.irecv, np.zeros(4), peer, tag=5),"
+        " dist.P2POp(dist.irecv, np.zeros(2), peer, tag=6)]); ready(); w.wait()"
+    ),
+    "blocking-recv": "ready(); dist.recv(np.zeros(4), src=peer, tag=5)",
+    "halo-wait": (
+        "cart = dist.new_cart_group([size], periods=True)\n"
+        "halo = dist.HaloExchange(np.zeros(8), cart)\n"
+        "if rank == 0:\n"
+        "    halo.start(); ready(); halo.wait()\n"
+        "else:\n"
+        "    w = dist.irecv(np.zeros(4), peer, tag=5); ready(); w.wait()"
+    ),
+}
+EXPECTED = {
+    "irecv-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
+    "batch-wait": "irecv from rank {peer} (group rank {peer}), tag 6, 16 bytes, group 'WORLD', pending for",
+    "blocking-recv": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
+    "halo-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
+}
+
+
+def start_job(tmp_path: Path, ranks: int, body: str, *, launcher: bool = False) -> subprocess.Popen[str]:
+    script = tmp_path / "job.py"
+    script.write_text(PREAMBLE + textwrap.dedent(body) + "\n")
+    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
+    command += ["-m", "tensorplay_p2p.run", str(script)] if launcher else [str(script)]
+    return subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def wait_ready(job: subprocess.Popen[str], tmp_path: Path, ranks: int) -> list[int]:
+    """The ranks' pids, once every rank has reached its wait (and a little more, so it is inside MPI)."""
+    deadline = time.monotonic() + LIMIT
+    while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
+        if job.poll() is not None or time.monotonic() > deadline:
+            output = job.communicate(timeout=10)[0] if job.poll() is not None else ""
+            _kill(job)
+            pytest.fail(f"the job did not reach its waits:\n{output}")
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return [int((tmp_path / f"ready.{r}").read_text()) for r in range(ranks)]
+
+
+def finish(job: subprocess.Popen[str], signalled: float) -> tuple[int, float, str]:
+    """Exit status, seconds from the signal to the end, and the output."""
+    try:
+        output = job.communicate(timeout=LIMIT)[0]
+    except subprocess.TimeoutExpired:
+        _kill(job)
+        pytest.fail("the job ignored the signal until the test's time limit")
+    return job.returncode, time.monotonic() - signalled, output
+
+
+def _kill(job: subprocess.Popen[str]) -> None:
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+
+
+def assert_reports(output: str, ranks: int, name: str, wait: str) -> None:
+    for rank in range(ranks):
+        assert f"tensorplay_p2p: rank {rank} on host" in output, output
+        peer = (rank + 1) % ranks
+        line = EXPECTED[wait].format(peer=peer)
+        if wait == "halo-wait" and rank == 0:  # the halo's own description of its step
+            line = "tensor 0 direction"
+        assert line in output, output
+    assert f"received {name} while blocked in a wait; aborting the job" in output
+
+
+@pytest.mark.parametrize("wait", list(WAITS))
+def test_ctrl_c_to_mpiexec_ends_a_stuck_job(tmp_path: Path, wait: str) -> None:
+    ranks = 2
+    job = start_job(tmp_path, ranks, WAITS[wait])
+    wait_ready(job, tmp_path, ranks)
+    job.send_signal(signal.SIGINT)
+    status, seconds, output = finish(job, time.monotonic())
+    assert status != 0, output
+    assert seconds < ENDS_WITHIN, f"the job took {seconds:.1f} s to end after Ctrl-C:\n{output}"
+    if not OPEN_MPI:  # Open MPI's launcher does not forward SIGINT: it ends the job itself, without reports
+        assert_reports(output, ranks, "SIGINT", wait)
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["plain", "launcher"])
+def test_sigterm_to_every_rank_ends_a_stuck_job(tmp_path: Path, launcher: bool) -> None:
+    ranks = 4 if launcher else 3
+    job = start_job(tmp_path, ranks, WAITS["irecv-wait"], launcher=launcher)
+    pids = wait_ready(job, tmp_path, ranks)
+    for pid in pids:  # as scancel and qdel do
+        os.kill(pid, signal.SIGTERM)
+    status, seconds, output = finish(job, time.monotonic())
+    assert status != 0, output
+    assert seconds < ENDS_WITHIN, f"the job took {seconds:.1f} s to end after SIGTERM:\n{output}"
+    assert_reports(output, ranks, "SIGTERM", "irecv-wait")
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["plain", "launcher"])
+def test_a_double_ctrl_c_to_every_rank_still_aborts_with_reports(tmp_path: Path, launcher: bool) -> None:
+    ranks = 2
+    job = start_job(tmp_path, ranks, WAITS["blocking-recv"], launcher=launcher)
+    pids = wait_ready(job, tmp_path, ranks)
+    for _ in range(2):
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.15)  # the second one lands in the abort's grace period
+    status, seconds, output = finish(job, time.monotonic())
+    assert status != 0, output
+    assert seconds < ENDS_WITHIN, output
+    assert_reports(output, ranks, "SIGINT", "blocking-recv")
+
+
+def test_outside_a_wait_the_program_keeps_its_own_signal_behaviour(tmp_path: Path) -> None:
+    job = start_job(
+        tmp_path,
+        1,
+        """
+        import signal
+        caught = []
+        try:
+            ready(); time.sleep(30)  # not in a wait: KeyboardInterrupt reaches the program
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt in user code", flush=True)
+        signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+        os.kill(os.getpid(), signal.SIGTERM)  # the program's own handler runs
+        time.sleep(0.2)
+        assert caught == [signal.SIGTERM], caught
+        w = dist.irecv(np.zeros(1), 0, tag=9)
+        dist.isend(np.ones(1), 0, tag=9).wait()
+        w.wait()  # waits still work
+        print("own handlers ok", flush=True)
+        """,
+    )
+    pids = wait_ready(job, tmp_path, 1)
+    os.kill(pids[0], signal.SIGINT)
+    status, _, output = finish(job, time.monotonic())
+    assert status == 0, output
+    assert "KeyboardInterrupt in user code" in output and "own handlers ok" in output
+    assert "aborting the job" not in output
+
+
+def test_sigterm_outside_a_wait_ends_the_process_as_by_default(tmp_path: Path) -> None:
+    job = start_job(tmp_path, 1, "ready(); time.sleep(30)")
+    pids = wait_ready(job, tmp_path, 1)
+    os.kill(pids[0], signal.SIGTERM)
+    status, seconds, output = finish(job, time.monotonic())
+    assert status != 0 and seconds < ENDS_WITHIN, output
+    assert "aborting the job" not in output
