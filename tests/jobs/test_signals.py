@@ -187,3 +187,25 @@ def test_sigterm_outside_a_wait_ends_the_process_as_by_default(tmp_path: Path) -
     status, seconds, output = finish(job, time.monotonic())
     assert status != 0 and seconds < ENDS_WITHIN, output
     assert "aborting the job" not in output
+
+
+def test_a_second_ctrl_c_during_the_launchers_abort_cannot_skip_it(tmp_path: Path) -> None:
+    job = start_job(
+        tmp_path,
+        2,
+        """
+        if rank == 0:
+            ready(); time.sleep(30)  # running Python: KeyboardInterrupt, then the launcher aborts the job
+        else:
+            ready(); dist.recv(np.zeros(1), src=0, tag=5)  # waits for rank 0, which will never send
+        """,
+        launcher=True,
+    )
+    pids = wait_ready(job, tmp_path, 2)
+    os.kill(pids[0], signal.SIGINT)
+    time.sleep(0.2)  # rank 0 is in the launcher's grace period now
+    os.kill(pids[0], signal.SIGINT)
+    status, seconds, output = finish(job, time.monotonic())
+    assert status != 0, output
+    assert seconds < ENDS_WITHIN, output
+    assert "[rank 0] KeyboardInterrupt" in output and "[rank 0] uncaught exception: aborting the MPI job" in output
