@@ -217,7 +217,7 @@ def _resolve_memory(m: Memory, writable: bool, what: str) -> Resolved:
         if layouts.packs(layout):
             return _packed(m, layout, writable)
         return spec(m.address, layout), layout.nbytes, m.keep, None
-    if not _state.checked and devices.cuda_support().aware:
+    if not _state.checked and devices.cuda_support().aware and not layouts.miswalked(layout):
         m.adapter.synchronize(m.array)  # MPI must not touch the memory before the producing stream is done
         return spec(m.address, layout), layout.nbytes, m.keep, None
     return _staged(m, layout.nbytes, writable)

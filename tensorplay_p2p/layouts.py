@@ -28,6 +28,7 @@ __all__ = [
     "datatype",
     "layout_of",
     "may_overlap",
+    "miswalked",
     "packs",
     "plan",
     "release_retired",
@@ -43,6 +44,16 @@ _CACHE_LIMIT = 512
 # too, so that a huge strided tensor costs no second copy of itself.
 PACK_MIN = 8 << 10
 PACK_MAX = 16 << 20
+# Open MPI walks a byte stride of exactly -1 wrongly: opal_datatype_add takes an extent of -1 to mean "the
+# old type's own extent", so hvector(n, 1, -1) becomes n blocks running forward from element 0.  Measured
+# with Open MPI 5.0 over shared memory and TCP, for blocks of 1 to 16 bytes: the wrong bytes are sent, a
+# receive writes n - 1 blocks past the view, and a 20 MiB message crashes the sender (segfault in
+# mca_pml_ob1_send_request_schedule_once).  Strides of -2 bytes and below, 0, and the struct shifting a
+# negative-stride type by -low are walked correctly, at 20 MiB too; MPICH is correct throughout.  A stride
+# of -1 byte is the reversed innermost dimension of a 1-byte dtype (bool, uint8, int8 [::-1],
+# (4, 3)[:, ::-1]) or a sent view whose elements overlap.  With Open MPI loaded, such host layouts travel
+# packed at every size (see packs), and such device layouts are staged (see miswalked).
+_MINUS_ONE_STRIDE_MISWALKED = "open mpi" in MPI.Get_library_version().lower()
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
 _layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
 _retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
@@ -94,8 +105,16 @@ def plan(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Lay
 
 
 def packs(layout: Layout) -> bool:
-    """Whether a strided host message of this layout travels packed (see PACK_MIN and PACK_MAX)."""
-    return bool(layout.dims) and PACK_MIN <= layout.nbytes <= PACK_MAX
+    """Whether a strided host message of this layout travels packed: from PACK_MIN to PACK_MAX bytes, and at
+    every size when the loaded MPI library walks its datatype wrongly (see miswalked)."""
+    if not layout.dims:
+        return False
+    return PACK_MIN <= layout.nbytes <= PACK_MAX or miswalked(layout)
+
+
+def miswalked(layout: Layout) -> bool:
+    """Whether the loaded MPI library walks this layout's datatype wrongly (a -1 byte stride under Open MPI)."""
+    return _MINUS_ONE_STRIDE_MISWALKED and any(stride == -1 for _, stride in layout.dims)
 
 
 @functools.lru_cache(maxsize=4096)
