@@ -4,6 +4,9 @@ The description rides in the same MPI message as the data: a struct datatype joi
 header and the payload by absolute address (``MPI.BOTTOM``), so checked mode adds no message
 and no copy of the payload, and any-source receives work unchanged.  Every rank must run in
 the same mode.  Off by default; when off, nothing here runs.
+
+One-shot messages are wrapped by ``wrap``; persistent exchanges build ``header`` and ``joined``
+once per message and judge each step's receipts with ``verdict``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from .errors import CommunicationError, MessageMismatchError, MessageSizeError
 if TYPE_CHECKING:
     from .work import Work
 
-__all__ = ["HEADER_BYTES", "wrap"]
+__all__ = ["HEADER_BYTES", "Meta", "clear", "header", "joined", "verdict", "wrap"]
 
 _MAGIC = b"TP2C"
 _MAX_DIMS = 16
 _HEADER = np.dtype([("magic", "S4"), ("ndim", "<u4"), ("dtype", "S24"), ("shape", "<i8", (_MAX_DIMS,))])
 HEADER_BYTES = _HEADER.itemsize
+_PROC_NULL = MPI.PROC_NULL  # a receive from no process gets no message, so no header to judge
 
 Meta = tuple[str, tuple[int, ...]]
 
@@ -65,67 +69,92 @@ def _address(buf: Any) -> int:
     return int(MPI.buffer(buf).address)
 
 
+def header(meta: Meta | None) -> np.ndarray:
+    """The header a message with ``meta`` sends, or (None) the buffer a receive's header lands in."""
+    return _encode(meta) if meta is not None else np.zeros(1, _HEADER)
+
+
+def clear(header: np.ndarray) -> None:
+    """Empty a receive's header buffer for its next message: until one fills it, it reads as no header."""
+    header["magic"] = b""
+
+
+def joined(header: np.ndarray, spec: list[Any]) -> MPI.Datatype:
+    """A committed struct datatype over ``header`` and the message ``spec``, by absolute address (for
+    ``MPI.BOTTOM``); the caller frees it."""
+    buf, count, payload_type = spec
+    return MPI.Datatype.Create_struct(
+        [HEADER_BYTES, count], [_address(header), _address(buf)], [MPI.BYTE, payload_type]
+    ).Commit()
+
+
 def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Resolved:
     """The same message with a dtype-and-shape header in front, checked on receipt."""
     spec, nbytes, keep, after = resolved
     described = buffers.memory(tensor, False, "checked mode")
     mine = (described.dtype, described.shape)
-    header = _encode(mine) if sending else np.zeros(1, _HEADER)
-    buf, count, payload_type = spec
-    struct = MPI.Datatype.Create_struct(
-        [HEADER_BYTES, count], [_address(header), _address(buf)], [MPI.BYTE, payload_type]
-    ).Commit()
+    head = header(mine if sending else None)
+    struct = joined(head, spec)
 
     def verify(work: Work, error: CommunicationError | None) -> CommunicationError | None:
         struct.Free()
-        if not sending:
-            error = _judge(work, error, header, mine)
+        if not sending and work._peer != _PROC_NULL and (error is None or isinstance(error, MessageSizeError)):
+            error = _judge(work, error, head, mine)
         return after(work, error) if after is not None else error
 
-    return [MPI.BOTTOM, 1, struct], nbytes + HEADER_BYTES, (keep, header, buf), verify
+    return [MPI.BOTTOM, 1, struct], nbytes + HEADER_BYTES, (keep, head, spec[0]), verify
 
 
-def _judge(work: Work, error: CommunicationError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
-    sender = _decode(header)
+def _judge(work: Work, error: MessageSizeError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
     known = work._source if work._source >= 0 else work._group._global(work._peer)
     source = None if known < 0 else known
     where = f"irecv from rank {source if source is not None else '?'} tag {work._tag}"
-    expected = work._nbytes - HEADER_BYTES
-    if isinstance(error, MessageSizeError):
-        if sender is None and error.received is not None:
+    received = work._nbytes if error is None else error.received
+    return verdict(header, mine, received, work._nbytes - HEADER_BYTES, where, source, work._tag)
+
+
+def verdict(
+    header: np.ndarray, mine: Meta, received: int | None, expected: int, where: str, source: int | None, tag: int
+) -> CommunicationError | None:
+    """The error for a checked message whose header arrived in ``header`` (None: it matches ``mine``).
+
+    ``received`` is the message's size with its header (None: longer than the buffer, truncated),
+    ``expected`` the receive buffer's size without it; ``where`` starts the error's text.
+    """
+    sender = _decode(header)
+    if received != expected + HEADER_BYTES:
+        if sender is None and received is not None:
             return MessageMismatchError(
-                f"{where}: the message carries no checked-mode header ({error.received or 'more'} bytes where "
+                f"{where}: the message carries no checked-mode header ({received} bytes where "
                 f"{expected} + a {HEADER_BYTES}-byte header were expected); run every rank in checked mode",
                 op="irecv",
                 peer=source,
-                tag=work._tag,
+                tag=tag,
             )
-        received = None if error.received is None else error.received - HEADER_BYTES
+        payload = None if received is None else received - HEADER_BYTES
         # a truncated message may not have been delivered at all (network paths): its header is unknown
         theirs = "a message of unknown dtype and shape" if sender is None else _show(sender)
-        got = "more bytes" if received is None else f"{received} bytes"
+        got = "more bytes" if payload is None else f"{payload} bytes"
         return MessageSizeError(
             f"{where}: the sender sent {theirs} ({got}), the receiver expects {_show(mine)} ({expected} bytes)",
             op="irecv",
             peer=source,
-            tag=work._tag,
+            tag=tag,
             expected=expected,
-            received=received,
+            received=payload,
         )
-    if error is not None:
-        return error
     if sender is None:
         return MessageMismatchError(
             f"{where}: the message carries no checked-mode header; run every rank in checked mode",
             op="irecv",
             peer=source,
-            tag=work._tag,
+            tag=tag,
         )
     if sender != _fold(mine):
         return MessageMismatchError(
             f"{where}: the sender sent {_show(sender)}, the receiver expects {_show(mine)}",
             op="irecv",
             peer=source,
-            tag=work._tag,
+            tag=tag,
         )
     return None

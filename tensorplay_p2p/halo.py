@@ -75,6 +75,15 @@ class HaloExchange(PersistentExchange):
         try:
             for i, m in enumerate(self._memories):
                 self._check_shape(i, m, ndim)
+            if len(fields) > 1:  # every tensor is received into (its ghosts): no two may share memory
+                buffers.check_disjoint(
+                    [
+                        (True, (m.address, buffers.plan(m, True, f"HaloExchange tensor {i}")))
+                        for i, m in enumerate(self._memories)
+                    ],
+                    "HaloExchange",
+                )
+            for i, m in enumerate(self._memories):
                 for k, direction in enumerate(directions):
                     message_tag = base_tag + i * len(directions) + k
                     back = tuple(-o for o in direction)
@@ -125,5 +134,5 @@ class HaloExchange(PersistentExchange):
         state = "closed" if self._closed else ("active" if self._active else "ready")
         return (
             f"HaloExchange({len(self._tensors)} tensor(s), halo={self._halo}, corners={self._corners}, "
-            f"{self.messages} messages per step, {state})"
+            f"{self.messages} messages per step, {state}{', checked' if self._checked else ''})"
         )

@@ -7,6 +7,10 @@ through page-locked host buffers held for the exchange's lifetime otherwise.
 
 Strided host messages of the sizes ``layouts.packs`` names are packed by numpy into buffers the
 exchange owns, filled in ``start`` and emptied in ``wait``.
+
+An exchange keeps the checked mode it was built in.  Checked, each message is a struct datatype
+over a header and its data (``checked.joined``), built once: a send's header is constant, a
+receive's header buffer is refilled every step and judged in ``wait`` before anything is copied out.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, devices, layouts, watchdog
+from . import buffers, checked, devices, layouts, signals, watchdog
 from .errors import CommunicationError, MessageSizeError
 from .groups import ProcessGroup
-from .runtime import _seconds
+from .runtime import _seconds, _state
 from .work import poll
 
 __all__ = ["PersistentExchange"]
@@ -46,6 +50,8 @@ class _Message(NamedTuple):
     host: np.ndarray | None  # staging buffer (device tensors without CUDA-aware MPI)
     label: str  # names the message in reports
     copy: tuple[np.ndarray, np.ndarray] | None = None  # packing: (destination, source) of the numpy copy
+    header: np.ndarray | None = None  # checked mode: the header sent, or the buffer a receive's header lands in
+    meta: checked.Meta | None = None  # checked mode: this side's dtype and shape of the region
 
 
 class PersistentExchange:
@@ -64,10 +70,12 @@ class PersistentExchange:
         self._movable: list[tuple[int, Any, int]] = []
         self._packs: list[tuple[np.ndarray, np.ndarray]] = []
         self._unpacks: list[tuple[np.ndarray, np.ndarray]] = []
+        self._headers: list[np.ndarray] = []  # checked mode: the receives' header buffers
         self._plain = False
         self._tensors: list[Any] = []
         self._memories: list[buffers.Memory] = []
         self._group = group
+        self._checked = _state.checked  # kept for the exchange's lifetime
         self._active = False
         self._staged = False
         self._posted = 0.0  # when the step in flight was started
@@ -78,7 +86,12 @@ class PersistentExchange:
             buffers.memory(t, w, f"{self._what} tensor {i}")
             for i, (t, w) in enumerate(zip(tensors, writable, strict=True))
         ]
-        self._staged = any(m.adapter is not None for m in self._memories) and not devices.cuda_support().aware
+        devices_used = [m for m in self._memories if m.adapter is not None]
+        self._staged = bool(devices_used) and (
+            self._checked  # a header on the host and data on the device: staged
+            or not devices.cuda_support().aware
+            or any(layouts.miswalked(layouts.plan(m.itemsize, m.shape, m.strides)) for m in devices_used)
+        )
         self._closed = False
 
     def _add(
@@ -115,9 +128,16 @@ class PersistentExchange:
                 datatype = layouts.build(layout)  # owned: a persistent request outlives cache evictions
                 self._datatypes.append(datatype)
             spec = buffers.spec(m.address + offset, layout, datatype)
+        nbytes, header, meta = layout.nbytes, None, None
+        if self._checked:
+            meta = (m.dtype, shape)
+            header = checked.header(None if receive else meta)
+            struct = checked.joined(header, spec)
+            self._datatypes.append(struct)
+            spec, nbytes = [MPI.BOTTOM, 1, struct], nbytes + checked.HEADER_BYTES
         request = comm.Recv_init(spec, peer, tag) if receive else comm.Send_init(spec, peer, tag)
         self._requests.append(request)
-        self._messages.append(_Message(receive, tensor, peer, tag, layout.nbytes, region, host, label, copy))
+        self._messages.append(_Message(receive, tensor, peer, tag, nbytes, region, host, label, copy, header, meta))
 
     def _ready(self) -> None:
         """Precompute what every step needs, so that a step does no more than it must."""
@@ -126,13 +146,14 @@ class PersistentExchange:
         self._synchronized = [] if self._staged else [m for m in self._memories if m.adapter is not None]
         self._packs = [m.copy for m in self._messages if m.copy is not None and not m.receive]
         self._unpacks = [m.copy for m in self._messages if m.copy is not None and m.receive]
+        self._headers = [m.header for m in self._messages if m.header is not None and m.receive]
         self._plain = not self._synchronized and not self._staged
         self._movable = [
             (i, t.data_ptr, m.address)
             for i, (t, m) in enumerate(zip(self._tensors, self._memories, strict=True))
             if callable(getattr(t, "data_ptr", None))
         ]
-        self._plain = self._plain and not self._movable and bool(self._requests)
+        self._plain = self._plain and not self._movable and bool(self._requests) and not self._checked
 
     def _part(self, message: _Message) -> Any:
         array = self._memories[message.tensor].array
@@ -142,10 +163,15 @@ class PersistentExchange:
 
     def start(self) -> None:
         """Post every message of the step (one ``Startall``); other work can go on meanwhile."""
+        self._start("start")
+
+    def _start(self, call: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{self._what}.start: it has been closed")
+            raise RuntimeError(f"{self._what}.{call}: it has been closed")
+        if self._group._comm is None:
+            self._group._live_comm(f"{self._what}.{call}")  # raises: the group has been destroyed
         if self._active:
-            raise RuntimeError(f"{self._what}.start: the previous step has not been waited for")
+            raise RuntimeError(f"{self._what}.{call}: the previous step has not been waited for")
         for i, data_ptr, address in self._movable:
             if data_ptr() != address:
                 raise RuntimeError(
@@ -161,6 +187,8 @@ class PersistentExchange:
                     adapter.to_host(self._part(message), message.host)
         for destination, source in self._packs:
             np.copyto(destination, source)
+        for header in self._headers:
+            checked.clear(header)  # a message that brings no header must not pass for the last step's
         if self._requests:
             MPI.Prequest.Startall(self._requests)
         self._active = True
@@ -190,9 +218,11 @@ class PersistentExchange:
         self._active = False
         if watchdog.active:
             watchdog.untrack(self)
-        for status, message in self._receives:
-            if status.Get_count(_BYTE) != message.nbytes:
-                raise self._size_error(message, status.Get_count(_BYTE))
+        for status, message in self._receives:  # all of them before anything is copied out
+            if status.Get_count(_BYTE) != message.nbytes or message.header is not None:
+                error = self._receipt_error(message, status.Get_count(_BYTE))
+                if error is not None:
+                    raise error
         for destination, source in self._unpacks:
             np.copyto(destination, source)
         if self._staged:
@@ -207,8 +237,27 @@ class PersistentExchange:
         if exc.Get_error_class() == MPI.ERR_IN_STATUS:
             for status, message in self._receives:
                 if MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE:
-                    return self._size_error(message, None)
+                    error = self._receipt_error(message, None)
+                    assert error is not None
+                    return error
         return CommunicationError(f"{self._what}: a message failed", mpi_error=exc.Get_error_string().strip())
+
+    def _receipt_error(self, message: _Message, received: int | None) -> CommunicationError | None:
+        """What is wrong with a message received for ``message`` (``received``: its bytes; None: longer than
+        expected), or None; in checked mode its header is judged too."""
+        if message.header is None:
+            return None if received == message.nbytes else self._size_error(message, received)
+        assert message.meta is not None
+        return checked.verdict(
+            message.header,
+            message.meta,
+            received,
+            message.nbytes - checked.HEADER_BYTES,
+            f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
+            f"(tag {message.tag})",
+            self._group._global(message.peer),
+            message.tag,
+        )
 
     def _size_error(self, message: _Message, received: int | None) -> MessageSizeError:
         """A message of the wrong size for ``message``'s region (``received`` None: longer, size unknown)."""
@@ -228,7 +277,14 @@ class PersistentExchange:
 
     def exchange(self, timeout: timedelta | float | None = None) -> None:
         """One whole step: ``start()`` then ``wait()``."""
-        if timeout is None and self._plain and not self._active and not self._closed and not watchdog.active:
+        if (
+            timeout is None
+            and self._plain
+            and not self._active
+            and not self._closed
+            and self._group._comm is not None
+            and not watchdog.active
+        ):
             for destination, source in self._packs:
                 _copyto(destination, source)
             try:  # host tensors that cannot move: nothing to do around the two MPI calls but the size check
@@ -242,7 +298,7 @@ class PersistentExchange:
             for destination, source in self._unpacks:
                 _copyto(destination, source)
             return
-        self.start()
+        self._start("exchange")
         self.wait(timeout)
 
     def _still_pending(self, now: float) -> list[str]:
@@ -252,18 +308,19 @@ class PersistentExchange:
             if not request.Test()
         ]
 
-    def pending_lines(self, now: float) -> list[str]:
-        """For the watchdog: the messages of the step in flight (untested: another thread waits on them)."""
-        if not self._active:
+    def pending_lines(self, now: float | None) -> list[str]:
+        """For the watchdog and signals: the messages of the step in flight (untested: another thread waits on
+        them); ``now`` None for a step that ``exchange`` posted on its lean path, which is not timed."""
+        if now is not None and not self._active:
             return []
         return [self._describe(m, now) + " (this step)" for m in self._messages]
 
-    def _describe(self, message: _Message, now: float) -> str:
+    def _describe(self, message: _Message, now: float | None) -> str:
         verb, direction = ("irecv", "from") if message.receive else ("isend", "to")
+        waited = "pending" if now is None else f"pending for {now - self._posted:.1f} s"
         return (
             f"{self._what}: {verb} {direction} {self._group._peer_text(message.peer)} (group rank {message.peer}), "
-            f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, pending for "
-            f"{now - self._posted:.1f} s"
+            f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, {waited}"
         )
 
     # --- life cycle ------------------------------------------------------------------------
@@ -305,3 +362,7 @@ class PersistentExchange:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+signals.register_wait(PersistentExchange.wait, lambda scope, now: scope["self"].pending_lines(now))
+signals.register_wait(PersistentExchange.exchange, lambda scope, now: scope["self"].pending_lines(None))

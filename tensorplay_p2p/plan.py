@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from . import buffers
 from .ops import P2POp, batch_group, irecv
 from .persistent import PersistentExchange
-from .runtime import _state
 
 __all__ = ["P2PPlan"]
 
@@ -16,7 +15,7 @@ class P2PPlan(PersistentExchange):
     """``batch_isend_irecv`` for an exchange repeated every step: checked once, then one Startall and one Waitall.
 
     The ops' tensors must stay where they are (same memory) for the plan's lifetime; their contents
-    may change freely between steps.
+    may change freely between steps.  It keeps the checked mode it was built in.
     """
 
     _what = "P2PPlan"
@@ -25,8 +24,6 @@ class P2PPlan(PersistentExchange):
         pg = batch_group(p2p_op_list, "P2PPlan")
         if pg is None:
             raise ValueError("P2PPlan: this process is not a member of the ops' group")
-        if _state.checked:
-            raise RuntimeError("P2PPlan: checked mode is on, and plan messages carry no header; use batch_isend_irecv")
         super().__init__(pg)
         comm = pg._live_comm("P2PPlan")
         receiving = [p2p.op is irecv for p2p in p2p_op_list]
@@ -35,7 +32,7 @@ class P2PPlan(PersistentExchange):
             if len(p2p_op_list) > 1:
                 buffers.check_disjoint(
                     [
-                        (r, buffers.spec(m.address, buffers.plan(m, r, "P2PPlan")))
+                        (r, (m.address, buffers.plan(m, r, "P2PPlan")))
                         for r, m in zip(receiving, self._memories, strict=True)
                     ],
                     "P2PPlan",
@@ -52,4 +49,5 @@ class P2PPlan(PersistentExchange):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("active" if self._active else "ready")
-        return f"P2PPlan({self.messages} messages per step on group {self._group.name!r}, {state})"
+        checked = ", checked" if self._checked else ""
+        return f"P2PPlan({self.messages} messages per step on group {self._group.name!r}, {state}{checked})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,10 @@ def test_cuda_aware_device_fields_synchronise_first(fake: FakeAdapter) -> None:
     field = case.initial("float64")
     with dist.HaloExchange(FakeDeviceArray(field), cart, halo=2) as hx:
         hx.start()
-        assert fake.log == ["synchronize"]
+        if dist.checked_mode():  # a host header and device data in one message: checked mode stages them
+            assert "synchronize" not in fake.log and "to_host" in fake.log
+        else:
+            assert fake.log == ["synchronize"]
         hx.wait(timeout=WAIT)
     np.testing.assert_array_equal(field, case.expected("float64", False))
     dist.destroy_process_group(cart)
@@ -266,3 +270,57 @@ def test_large_strided_faces_are_packed_and_exact(interior: tuple[int, ...], kin
     if kind == "transposed":
         assert base.base is None  # the exchange wrote into the view, not into a copy
     dist.destroy_process_group(cart)
+
+
+def test_tensors_that_share_memory_are_refused() -> None:
+    """Every tensor's ghosts are received into, so no two tensors may overlap; disjoint views of one array may."""
+    cart = dist.new_cart_group([0], periods=True)
+    u = np.zeros(12)
+    for tensors, items in (([u, u], (0, 1)), ([u[0:10], u[1:11]], (0, 1)), ([np.zeros(6), u[2:8], u[::-1]], (1, 2))):
+        with pytest.raises(
+            ValueError,
+            match=rf"^HaloExchange: items {items[0]} and {items[1]} share memory and one of them is a receive; "
+            "MPI would race on it",
+        ):
+            dist.HaloExchange(tensors, cart)
+    v = np.full((6, 2), -1.0)
+    v[1:-1] = (RANK + 1) * np.array([1.0, 10.0])
+    with dist.HaloExchange([v[:, 0], v[:, 1]], cart) as hx:  # interleaved columns: disjoint
+        hx.exchange(timeout=WAIT)
+    left, right = cart.neighbor((-1,)), cart.neighbor((1,))
+    np.testing.assert_array_equal(v[0], (left + 1) * np.array([1.0, 10.0]))
+    np.testing.assert_array_equal(v[-1], (right + 1) * np.array([1.0, 10.0]))
+    np.testing.assert_array_equal(v[1:-1], (RANK + 1) * np.ones((4, 1)) * np.array([1.0, 10.0]))
+    dist.destroy_process_group(cart)
+
+
+def test_use_after_destroy_raises_and_the_cart_group_stays_destroyed() -> None:
+    """After destroy_process_group() a HaloExchange raises as every use of its group does, also once the world
+    is initialised again (Cartesian groups are not revived); a step in flight completes, and close() works."""
+    cart = dist.new_cart_group([0], periods=True)
+    left, right = cart.neighbor((-1,)), cart.neighbor((1,))
+    field = np.full(5, -1.0)
+    field[1:-1] = RANK + 1
+    hx = dist.HaloExchange(field, cart)
+    idle = dist.HaloExchange(np.zeros(5), cart, tag=2)
+    name = re.escape(cart.name)
+    hx.start()
+    dist.destroy_process_group()
+    try:
+        hx.wait(timeout=WAIT)  # started while the group was alive; its communicator is freed meanwhile
+        np.testing.assert_array_equal(field, [left + 1, RANK + 1, RANK + 1, RANK + 1, right + 1])
+        for call in ("exchange", "start"):
+            with pytest.raises(
+                RuntimeError, match=rf"^HaloExchange\.{call}: process group '{name}' has been destroyed$"
+            ):
+                getattr(hx, call)()
+    finally:
+        dist.init_process_group()
+    with pytest.raises(RuntimeError, match=rf"^HaloExchange\.exchange: process group '{name}' has been destroyed$"):
+        hx.exchange()
+    with pytest.raises(RuntimeError, match=rf"^HaloExchange: process group '{name}' has been destroyed$"):
+        dist.HaloExchange(field, cart)
+    idle.close()  # frees its requests and datatypes with the communicator gone
+    hx.close()
+    assert hx.messages == 0 and idle.messages == 0
+    np.testing.assert_array_equal(field, [left + 1, RANK + 1, RANK + 1, RANK + 1, right + 1])

@@ -45,9 +45,19 @@ def test_plan_repeats_the_exchange_with_new_contents() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sent", "error"), [(3, "has 3 bytes where 4 were expected"), (6, "is longer than the 4 bytes expected")]
+    ("sent", "error", "checked_error"),
+    [
+        (3, "has 3 bytes where 4 were expected", r"sent uint8 \(3,\) \(3 bytes\), the receiver expects uint8 \(4,\)"),
+        (  # checked: a truncated message may not have been delivered at all (network paths), header included
+            6,
+            "is longer than the 4 bytes expected",
+            r"sent (uint8 \(6,\)|a message of unknown dtype and shape) \(more bytes\), the receiver expects uint8",
+        ),
+    ],
 )
-def test_plan_message_of_the_wrong_size_is_a_size_error(sent: int, error: str) -> None:
+def test_plan_message_of_the_wrong_size_is_a_size_error(sent: int, error: str, checked_error: str) -> None:
+    if dist.checked_mode():  # the header names both sides
+        error = checked_error
     with (
         dist.P2PPlan(
             [
@@ -109,3 +119,34 @@ def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone() -> None:
             sent = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)[::-1, 1] + 10_000 * PREV + step
             np.testing.assert_array_equal(into[:, 2], sent)
             np.testing.assert_array_equal(into[:, :2], -1.0)
+
+
+def test_plan_use_after_destroy_raises_until_init() -> None:
+    """A plan over a destroyed group raises as every use of it does; a step in flight completes; close() works."""
+    out, into = np.zeros(3), np.zeros(3)
+    plan = dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT, tag=5), dist.P2POp(dist.irecv, into, PREV, tag=5)])
+    closed = dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT, tag=6), dist.P2POp(dist.irecv, np.zeros(3), PREV, tag=6)])
+    out[...] = RANK + 1
+    plan.start()
+    dist.destroy_process_group()
+    try:
+        plan.wait(timeout=WAIT)  # started while the group was alive
+        np.testing.assert_array_equal(into, PREV + 1)
+        for call in ("exchange", "start"):
+            with pytest.raises(
+                RuntimeError,
+                match=rf"^P2PPlan\.{call}: process group 'WORLD' has been destroyed; call init_process_group\(\)",
+            ):
+                getattr(plan, call)()
+        with pytest.raises(RuntimeError, match=r"^P2PPlan\.wait: start\(\) was not called"):
+            plan.wait()  # nothing was started
+        closed.close()  # frees its requests and datatypes with the group gone
+        assert closed.messages == 0
+    finally:
+        dist.init_process_group()
+    out[...] = RANK + 2
+    plan.exchange(timeout=WAIT)  # the world is the same communicator again
+    np.testing.assert_array_equal(into, PREV + 2)
+    plan.close()
+    with pytest.raises(RuntimeError, match=r"^P2PPlan\.exchange: it has been closed"):
+        plan.exchange()
