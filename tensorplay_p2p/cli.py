@@ -153,23 +153,111 @@ def _check_halo(timeout: float) -> str:
     return f"{dims} periodic grid, corners"
 
 
+class _NotApplicableError(Exception):
+    """A check that does not apply at this world size (raised on every rank alike)."""
+
+
+def _any_source_round(root: int, timeout: float) -> None:
+    """Every other rank sends to ``root``, which receives the messages from any source once they have all arrived."""
+    import numpy as np
+
+    import tensorplay_p2p as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    comm = dist.group.WORLD.comm
+    tag = 4
+    if rank != root:
+        sent = dist.isend(np.full(8, 1000 * root + rank, dtype=np.int64), root, tag=tag)
+        comm.Barrier()
+        assert sent is not None
+        sent.wait(timeout=timeout)
+        return
+    comm.Barrier()  # every sender has posted its message
+    # Wait until each message has arrived before posting the receives: an any-source receive posted after its
+    # message came is what a broken MPI set-up gets wrong (docs/troubleshooting.md, "Any-source receives that
+    # never complete").
+    deadline = time.monotonic() + timeout
+    missing = set(range(size)) - {root}
+    while missing:
+        missing = {src for src in missing if not comm.Iprobe(source=src, tag=tag)}
+        if missing and time.monotonic() > deadline:
+            shown = ", ".join(map(str, sorted(missing)[:8])) + (", ..." if len(missing) > 8 else "")
+            raise dist.CommunicationTimeout(
+                f"rank {root}: the messages of rank(s) {shown} did not arrive within {timeout:g} s",
+                pending=tuple(f"isend from rank {src}, tag {tag}" for src in sorted(missing)),
+            )
+        time.sleep(1e-4)
+    into = [np.zeros(8, dtype=np.int64) for _ in range(size - 1)]
+    works = [dist.irecv(buf, tag=tag) for buf in into]  # from any source
+    try:
+        for work in works:
+            assert work is not None
+            work.wait(timeout=max(deadline - time.monotonic(), 1e-3))
+    except dist.CommunicationTimeout as exc:
+        done = sum(1 for work in works if work is not None and work.is_completed())
+        for work in works:
+            if work is not None and not work.is_completed():
+                work.cancel()  # so that no receive is left posted for the checks after this one
+        raise dist.CommunicationTimeout(
+            f"rank {root}: {done} of {size - 1} receives from any source completed, although every message had "
+            f"arrived (MPI_Iprobe saw each one); this MPI set-up's any-source receive is broken",
+            pending=exc.pending,
+        ) from exc
+    sources = sorted(work.source_rank() for work in works if work is not None)
+    assert sources == sorted(set(range(size)) - {root}), f"rank {root} received from ranks {sources}"
+    for buf, work in zip(into, works, strict=True):
+        assert work is not None and np.all(buf == 1000 * root + work.source_rank()), "wrong data"
+
+
+def _check_any_source(timeout: float) -> str:
+    from mpi4py import MPI
+
+    import tensorplay_p2p as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size < 2:
+        raise _NotApplicableError("needs 2 or more ranks")
+    comm = dist.group.WORLD.comm
+    for root in range(size):  # every rank is the root once: each one's receive path against all the others
+        error: Exception | None = None
+        try:
+            _any_source_round(root, timeout)
+        except Exception as exc:
+            error = exc
+        if comm.allreduce(error is not None, op=MPI.LOR):  # stop at the first failed round
+            failed = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+            first = next(reason for reason in comm.allgather(failed) if reason is not None)
+            if error is not None:
+                raise error  # each rank that failed reports its own error
+            if rank == 0:
+                raise RuntimeError(f"the round with rank {root} receiving failed: {first}")
+            break
+    return f"every rank received {size - 1} message(s) from any source"
+
+
 _CHECKS: list[tuple[str, Callable[[float], str]]] = [
     ("ring exchange", _check_ring),
     ("all-pairs batch", _check_all_pairs),
     ("strided face", _check_strided),
     ("2-D halo exchange", _check_halo),
+    ("any-source receive", _check_any_source),
 ]
 
 
 def _selftest(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    failures = 0
+    failures = skipped = 0
     rank = MPI.COMM_WORLD.Get_rank()
     for name, check in _CHECKS:
         start = time.monotonic()
         try:
             detail, ok = check(args.timeout), True
+        except _NotApplicableError as why:  # raised on every rank alike
+            skipped += 1
+            if rank == 0:
+                print(f"SKIP  {name}: {why}", flush=True)
+            continue
         except Exception as exc:  # each check reports, then the next one runs
             detail, ok = f"{type(exc).__name__}: {exc}".splitlines()[0], False
         everywhere = MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND)
@@ -179,8 +267,11 @@ def _selftest(args: argparse.Namespace) -> int:
             where = "" if rank == 0 else f" [rank {rank}]"
             print(f"{verdict}  {name}: {detail} ({time.monotonic() - start:.2f} s){where}", flush=True)
     if rank == 0:
-        passed, ranks = len(_CHECKS) - failures, MPI.COMM_WORLD.Get_size()
-        print(f"selftest: {passed} of {len(_CHECKS)} checks passed on {ranks} rank(s)")
+        ran, ranks = len(_CHECKS) - skipped, MPI.COMM_WORLD.Get_size()
+        print(
+            f"selftest: {ran - failures} of {ran} checks passed on {ranks} rank(s)"
+            + (f", {skipped} skipped" if skipped else "")
+        )
     return 1 if failures else 0
 
 

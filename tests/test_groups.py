@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 from mpi4py import MPI
+from world import ANY_SOURCE_WAIT, abort_if_stuck, await_message, wait_or_cancel
 
 import tensorplay_p2p as dist
 
@@ -122,19 +123,36 @@ def test_p2p_with_global_and_group_ranks_in_subgroup() -> None:
     dist.destroy_process_group(g)
 
 
-def test_recv_any_source_in_subgroup_returns_global_rank() -> None:
+def test_any_source_in_subgroup_returns_global_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """Any-source receives in a group that leaves out rank 0: irecv and recv both name the sender's global rank.
+
+    MPI_Recv cannot time out, so the blocking recv runs only once irecvs from any source, posted after a message
+    has arrived, have worked (with a deadline) and its own message is there; should it block anyway, the run is
+    aborted with a report.
+    """
     if SIZE < 3:
         pytest.skip("needs three ranks")
     members = list(range(1, SIZE))
     g = dist.new_group(members)
     if RANK in members:
+        senders = members[1:]
         if g.rank() == 0:
-            for _ in range(g.size() - 1):
-                into = np.zeros(1, dtype=np.int32)
-                src = dist.recv(into, group=g)
-                assert src == into[0] and src in members[1:]
+            await_message(tag=96, group=g)
+            into = [np.full(1, -1, dtype=np.int32) for _ in senders]
+            works = [dist.irecv(buf, group=g, tag=96) for buf in into]
+            wait_or_cancel(works, ANY_SOURCE_WAIT)
+            sources = [w.source_rank() for w in works if w is not None]
+            assert sorted(sources) == senders
+            assert [int(buf[0]) for buf in into] == sources
+            for _ in senders:
+                await_message(tag=97, group=g)
+                got = np.zeros(1, dtype=np.int32)
+                with abort_if_stuck("recv from any source in a group (the message had arrived)", capsys):
+                    src = dist.recv(got, group=g, tag=97)
+                assert src == got[0] and src in senders
         else:
-            dist.send(np.full(1, RANK, dtype=np.int32), group=g, group_dst=0)
+            dist.send(np.full(1, RANK, dtype=np.int32), group=g, group_dst=0, tag=96)
+            dist.send(np.full(1, RANK, dtype=np.int32), group=g, group_dst=0, tag=97)
         dist.destroy_process_group(g)
 
 

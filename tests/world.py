@@ -1,16 +1,28 @@
-"""This rank's place in the world, shared by the test modules, and the exchange that proves nothing is left posted."""
+"""This rank's place in the world, shared by the test modules, the exchange that proves nothing is left posted,
+and waits that fail instead of hanging (receives cancelled on a timeout)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
+from tensorplay_p2p.abort import abort_job
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
 WAIT = 120.0  # seconds; a lost message fails the test instead of hanging the suite
+# Any-source receives fail on some MPI set-ups (docs/troubleshooting.md, "Any-source receives that never
+# complete"): when they do, the message is there already, so a short bound reports it in seconds, not after WAIT.
+ANY_SOURCE_WAIT = 30.0
 
 
 def exchange_and_check(tag: int, value: float) -> None:
@@ -23,3 +35,88 @@ def exchange_and_check(tag: int, value: float) -> None:
         ]
     ).wait(timeout=WAIT)
     np.testing.assert_array_equal(into, np.full(4, value + PREV))
+
+
+def wait_or_cancel(works: dist.Work | Iterable[dist.Work | None] | None, seconds: float = WAIT) -> None:
+    """Wait for ``works`` (a Work, a BatchWork or a list of them) within one deadline of ``seconds``.
+
+    If the deadline passes, or the wait fails in any other way, every receive still pending is cancelled before
+    the error propagates, so that it cannot take the message of a later test.  A None (what a call on a
+    non-member returns) is an error: the test meant to communicate.
+    """
+    given = [works] if works is None or isinstance(works, dist.Work) else list(works)
+    items = [work for work in given if work is not None]
+    assert len(items) == len(given), "isend/irecv returned None: this rank is not a member of the group"
+    deadline = time.monotonic() + seconds
+    try:
+        for work in items:
+            work.wait(timeout=max(deadline - time.monotonic(), 1e-3))
+    except BaseException:
+        for work in items:
+            if not work.is_completed():
+                with contextlib.suppress(dist.CommunicationError):  # a send cannot be cancelled: leave it
+                    work.cancel()
+        raise
+
+
+def await_message(tag: int, group: dist.ProcessGroup | None = None, seconds: float = ANY_SOURCE_WAIT) -> int:
+    """Wait with a deadline until a message with ``tag`` from any source can be received; its group rank.
+
+    Raises ``TimeoutError`` if none arrives in time.
+    """
+    comm = (group or dist.group.WORLD).comm
+    status = MPI.Status()
+    deadline = time.monotonic() + seconds
+    while not comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no message with tag {tag} from any source arrived within {seconds:g} s")
+        time.sleep(1e-4)
+    return status.Get_source()
+
+
+@contextlib.contextmanager
+def abort_if_stuck(what: str, capsys: pytest.CaptureFixture[str], seconds: float = ANY_SOURCE_WAIT) -> Iterator[None]:
+    """Abort the whole run, with a report on stderr, if the block takes longer than ``seconds``.
+
+    For a blocking call that has no timeout (``recv``): a stuck ``MPI_Recv`` cannot be cancelled, and ending
+    the job in seconds beats hanging until the run's time limit.  Output capture is off inside the block (the
+    test's ``capsys`` fixture), so that the report reaches the terminal.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            abort_job(
+                f"\n[rank {RANK}] tests: {what} did not return within {seconds:g} s; aborting the run "
+                "(is this MPI's any-source receive broken? see docs/troubleshooting.md)\n",
+                1,
+            )
+
+    with capsys.disabled():
+        watcher = threading.Thread(target=watch, name="abort-if-stuck", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
+
+
+def size_error(sent: np.ndarray, expects: np.ndarray, where: str = "") -> str:
+    """A regex for the ``MessageSizeError`` text when ``sent`` arrives in ``expects`` (of another byte size).
+
+    Unchecked, the text gives the byte counts; in checked mode it describes both sides (checked.py), and a
+    message longer than the buffer may have lost its header on the way (network paths), so its description
+    may be unknown.  ``where`` is what the text starts with ("irecv from rank 1 tag 3"), if it is to be matched.
+    """
+    expected, larger = expects.nbytes, sent.nbytes > expects.nbytes
+    if dist.checked_mode():
+        theirs = re.escape(f"{sent.dtype.name} {tuple(sent.shape)}")
+        if larger:
+            theirs = f"(?:{theirs}|a message of unknown dtype and shape)"
+        got = "more bytes" if larger else f"{sent.nbytes} bytes"
+        mine = re.escape(f"{expects.dtype.name} {tuple(expects.shape)}")
+        text = rf"the sender sent {theirs} \({got}\), the receiver expects {mine} \({expected} bytes\)"
+    else:
+        text = f"expected {expected} bytes, received {'a larger message' if larger else f'{sent.nbytes} bytes'}"
+    return (re.escape(f"{where}: ") if where else "") + text
