@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -35,10 +36,22 @@ def run_job(tmp_path: Path, ranks: int, code: str, *, launcher: bool = True, env
     command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
     command += ["-m", "tensorplay_p2p.run", str(script)] if launcher else [str(script)]
     start = time.monotonic()
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=LIMIT, env={**os.environ, **(env or {})}, cwd=tmp_path
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=tmp_path,
+        start_new_session=True,  # its own process group, so that a hung job's ranks can be ended with it
     )
-    return done.returncode, time.monotonic() - start, done.stderr + done.stdout
+    try:
+        stdout, stderr = job.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        raise
+    return job.returncode, time.monotonic() - start, stderr + stdout
 
 
 def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path: Path) -> None:

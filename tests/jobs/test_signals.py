@@ -44,6 +44,9 @@ WAITS = {
         " dist.P2POp(dist.irecv, np.zeros(2), peer, tag=6)]); ready(); w.wait()"
     ),
     "blocking-recv": "ready(); dist.recv(np.zeros(4), src=peer, tag=5)",
+    "plan-exchange": (
+        "plan = dist.P2PPlan([dist.P2POp(dist.irecv, np.zeros(4), peer, tag=5)]); ready(); plan.exchange()"
+    ),
     "halo-wait": (
         "cart = dist.new_cart_group([size], periods=True)\n"
         "halo = dist.HaloExchange(np.zeros(8), cart)\n"
@@ -57,6 +60,9 @@ EXPECTED = {
     "irecv-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
     "batch-wait": "irecv from rank {peer} (group rank {peer}), tag 6, 16 bytes, group 'WORLD', pending for",
     "blocking-recv": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
+    "plan-exchange": (
+        "P2PPlan: irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, item 0 (irecv), group 'WORLD', pending"
+    ),
     "halo-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
 }
 
