@@ -10,14 +10,10 @@ from arraykinds import ArrayKind, numpy_dtype, values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from world import NEXT, PREV, RANK, WAIT, strided_round_trip
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import layouts
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -46,12 +42,6 @@ def _layout_params() -> list[Any]:
     return [pytest.param(name, id=name) for name in LAYOUTS]
 
 
-def _expected_view(base_shape: tuple[int, ...], dtype: str, seed: int, name: str) -> np.ndarray:
-    _, index, perm, _ = LAYOUTS[name]
-    v = values(base_shape, dtype, seed)[index]
-    return np.ascontiguousarray(v if perm is None else v.transpose(perm))
-
-
 @pytest.mark.parametrize("name", _layout_params())
 @pytest.mark.parametrize("dtype", ["float64", "int16", "complex64", "bool"])
 def test_strided_view_round_trips(kind: ArrayKind, name: str, dtype: str) -> None:
@@ -61,28 +51,8 @@ def test_strided_view_round_trips(kind: ArrayKind, name: str, dtype: str) -> Non
         pytest.skip(f"{kind.name} has no negative strides")
     if dtype not in kind.dtypes:
         pytest.skip(f"{kind.name} has no {dtype}")
-    send_base = kind.make(base_shape, dtype, seed=RANK)
-    send_view = kind.view(send_base, index, perm)
-    expected = _expected_view(base_shape, dtype, PREV, name)
-
-    flat_in = kind.empty(expected.shape, dtype)
-    recv_base = kind.empty(base_shape, dtype)
-    recv_view = kind.view(recv_base, index, perm)
-    dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send_view, NEXT, tag=1),
-            dist.P2POp(dist.isend, send_view, NEXT, tag=2),
-            dist.P2POp(dist.irecv, flat_in, PREV, tag=1),
-            dist.P2POp(dist.irecv, recv_view, PREV, tag=2),
-        ]
-    ).wait(timeout=WAIT)
-
-    np.testing.assert_array_equal(kind.to_numpy(flat_in), expected)
-    untouched = np.array(kind.to_numpy(kind.empty(base_shape, dtype)))
-    target = untouched[index]
-    (target if perm is None else target.transpose(perm))[...] = expected
-    np.testing.assert_array_equal(kind.to_numpy(recv_base), untouched)
-    np.testing.assert_array_equal(kind.to_numpy(send_base), values(base_shape, dtype, RANK))
+    problems = strided_round_trip(kind, dtype, base_shape, index, perm)
+    assert not problems, f"rank {RANK}: " + "; ".join(problems)
 
 
 def test_bfloat16_strided_torch() -> None:
@@ -167,7 +137,12 @@ def _strided_case(draw: st.DrawFn) -> tuple[tuple[int, ...], str, tuple[Any, ...
 @settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(send_case=_strided_case(), recv_case=_strided_case())
 def test_property_random_strided_layouts(send_case: Any, recv_case: Any) -> None:
-    """Every rank draws the same cases (derandomized); rank r sends to r+1; all ranks agree on the verdict."""
+    """Every rank draws the same cases (derandomized); rank r sends to r+1; all ranks agree on the verdict.
+
+    Unchecked, a receive takes any view of as many elements; checked mode compares shapes too, so there a
+    receive view of another shape (same elements, say (1,) into (1, 1)) must be reported, and leave the memory
+    outside the view untouched.
+    """
     shape, dtype, index, perm = send_case
     sent = values(shape, dtype, seed=RANK)[index].transpose(perm)
     expected = values(shape, dtype, seed=PREV)[index].transpose(perm)
@@ -178,20 +153,33 @@ def test_property_random_strided_layouts(send_case: Any, recv_case: Any) -> None
     if not own_layout:  # element counts differ: receive into a transposed base of the right size instead
         recv_base = np.full(expected.shape[::-1], 7, dtype=numpy_dtype(dtype))
         recv_view = recv_base.T
+    reshaped = dist.checked_mode() and recv_view.shape != expected.shape
     before = recv_base.copy()
-    dist.batch_isend_irecv(
+    work = dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, sent, NEXT, tag=3),
             dist.P2POp(dist.irecv, recv_view, PREV, tag=3),
         ]
-    ).wait(timeout=WAIT)
-    ok = np.array_equal(recv_view.reshape(-1), expected.reshape(-1))  # same elements, logical C order
+    )
+    error: dist.CommunicationError | None = None
+    try:
+        work.wait(timeout=WAIT)
+    except dist.CommunicationError as caught:  # judged below, after every rank has its verdict
+        error = caught
+    if reshaped:
+        theirs, mine = f"{sent.dtype.name} {sent.shape}", f"{recv_view.dtype.name} {recv_view.shape}"
+        mismatch = f"irecv from rank {PREV} tag 3: the sender sent {theirs}, the receiver expects {mine}"
+        ok = isinstance(error, dist.MessageMismatchError) and mismatch in str(error)
+        ok = ok and work[0].is_success()  # the send side completes normally
+    else:
+        ok = error is None and np.array_equal(recv_view.reshape(-1), expected.reshape(-1))  # logical C order
     mask = np.ones(recv_base.shape, dtype=bool)
     mask_view = mask[r_index].transpose(r_perm) if own_layout else mask.T
     mask_view[...] = False
     ok = ok and np.array_equal(recv_base[mask], before[mask])
     all_ok = MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND)
-    assert ok, f"rank {RANK}: wrong data for send {send_case} into {recv_case}"
+    verdict = "no mismatch reported" if reshaped else "wrong data"
+    assert ok, f"rank {RANK}: {verdict} for send {send_case} into {recv_case} ({error!r})"
     assert all_ok, "another rank received wrong data"
 
 

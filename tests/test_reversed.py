@@ -14,7 +14,7 @@ import pytest
 from arraykinds import ArrayKind, values
 from fakedevice import FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
-from world import NEXT, PREV, RANK, WAIT
+from world import NEXT, PREV, RANK, WAIT, strided_round_trip
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices, layouts
@@ -52,31 +52,7 @@ def test_reversed_view_round_trips(kind_dtype: tuple[ArrayKind, str], name: str)
     if not kind.negative_strides:
         pytest.skip(f"{kind.name} has no negative strides")
     base_shape, index = REVERSED[name]
-    send_base = kind.make(base_shape, dtype, seed=RANK)
-    send_view = kind.view(send_base, index)
-    expected = np.ascontiguousarray(values(base_shape, dtype, PREV)[index])
-    flat_in = kind.empty(expected.shape, dtype)
-    recv_base = kind.empty(base_shape, dtype)
-    recv_view = kind.view(recv_base, index)
-    dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send_view, NEXT, tag=1),
-            dist.P2POp(dist.isend, send_view, NEXT, tag=2),
-            dist.P2POp(dist.irecv, flat_in, PREV, tag=1),
-            dist.P2POp(dist.irecv, recv_view, PREV, tag=2),
-        ]
-    ).wait(timeout=WAIT)
-
-    untouched = kind.to_numpy(kind.empty(base_shape, dtype))
-    untouched[index] = expected
-    problems = []
-    if not np.array_equal(kind.to_numpy(flat_in), expected):
-        problems.append(f"contiguous receive got {kind.to_numpy(flat_in).tolist()}, sent {expected.tolist()}")
-    if not np.array_equal(kind.to_numpy(recv_base), untouched):
-        problems.append(f"reversed receive left {kind.to_numpy(recv_base).tolist()}, expected {untouched.tolist()}")
-    if not np.array_equal(kind.to_numpy(send_base), values(base_shape, dtype, RANK)):
-        problems.append("the sent tensor changed")
-    _verdict(problems)
+    _verdict(strided_round_trip(kind, dtype, base_shape, index, None))
 
 
 def test_large_reversed_bytes() -> None:

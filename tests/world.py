@@ -8,9 +8,11 @@ import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+from arraykinds import ArrayKind, values
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
@@ -120,3 +122,36 @@ def size_error(sent: np.ndarray, expects: np.ndarray, where: str = "") -> str:
     else:
         text = f"expected {expected} bytes, received {'a larger message' if larger else f'{sent.nbytes} bytes'}"
     return (re.escape(f"{where}: ") if where else "") + text
+
+
+def strided_round_trip(
+    kind: ArrayKind, dtype: str, base_shape: tuple[int, ...], index: tuple[Any, ...], perm: tuple[int, ...] | None
+) -> list[str]:
+    """Send ``base[index]`` (axes permuted by ``perm``) to NEXT twice, received from PREV into a contiguous tensor
+    and into the same view of another base; what went wrong on this rank (the rest of each base must be untouched)."""
+    send_base = kind.make(base_shape, dtype, seed=RANK)
+    send_view = kind.view(send_base, index, perm)
+    picked = values(base_shape, dtype, PREV)[index]
+    expected = np.ascontiguousarray(picked if perm is None else picked.transpose(perm))
+    flat_in = kind.empty(expected.shape, dtype)
+    recv_base = kind.empty(base_shape, dtype)
+    recv_view = kind.view(recv_base, index, perm)
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send_view, NEXT, tag=1),
+            dist.P2POp(dist.isend, send_view, NEXT, tag=2),
+            dist.P2POp(dist.irecv, flat_in, PREV, tag=1),
+            dist.P2POp(dist.irecv, recv_view, PREV, tag=2),
+        ]
+    ).wait(timeout=WAIT)
+    untouched = np.array(kind.to_numpy(kind.empty(base_shape, dtype)))
+    target = untouched[index]
+    (target if perm is None else target.transpose(perm))[...] = expected
+    problems = []
+    if not np.array_equal(kind.to_numpy(flat_in), expected):
+        problems.append(f"contiguous receive got {kind.to_numpy(flat_in).tolist()}, sent {expected.tolist()}")
+    if not np.array_equal(kind.to_numpy(recv_base), untouched):
+        problems.append(f"strided receive left {kind.to_numpy(recv_base).tolist()}, expected {untouched.tolist()}")
+    if not np.array_equal(kind.to_numpy(send_base), values(base_shape, dtype, RANK)):
+        problems.append("the sent tensor changed")
+    return problems
