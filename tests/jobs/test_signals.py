@@ -47,6 +47,9 @@ WAITS = {
     "plan-exchange": (
         "plan = dist.P2PPlan([dist.P2POp(dist.irecv, np.zeros(4), peer, tag=5)]); ready(); plan.exchange()"
     ),
+    "plan-close": (
+        "plan = dist.P2PPlan([dist.P2POp(dist.irecv, np.zeros(4), peer, tag=5)]); plan.start(); ready(); plan.close()"
+    ),
     "halo-wait": (
         "cart = dist.new_cart_group([size], periods=True)\n"
         "halo = dist.HaloExchange(np.zeros(8), cart)\n"
@@ -63,6 +66,7 @@ EXPECTED = {
     "plan-exchange": (
         "P2PPlan: irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, item 0 (irecv), group 'WORLD', pending"
     ),
+    "plan-close": "P2PPlan: irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, item 0 (irecv), group 'WORLD'",
     "halo-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
 }
 
