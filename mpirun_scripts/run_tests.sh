@@ -53,7 +53,7 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
     shift
     echo "=== pytest at $n rank(s)${label:+ ($label)} ==="
     timeout -k 15 "$limit" "${launch[@]}" "${extra[@]}" -n "$n" "$python" -m pytest --with-mpi -q \
-        --rootdir "$root" --ignore "$root/tests/jobs" --junitxml "$reports/size$n$label.xml" "$root/tests" "$@"
+        --rootdir "$root" --ignore "$root/tests/jobs" --ignore "$root/tests/torchsuite" --junitxml "$reports/size$n$label.xml" "$root/tests" "$@"
     check "pytest at $n rank(s)${label:+ ($label)}" $?
 }
 
@@ -121,11 +121,26 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     check "installing with $other_mpi" $?
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_TORCH_SIZES="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?
     fi
+fi
+
+# torch's own point-to-point tests (torch/testing/_internal/distributed/distributed_test.py) with this package as
+# their `dist` (tests/torchsuite; a tree-wide pytest leaves that directory out).  Needs torch; skipped without it.
+#   TP2P_TORCH_SIZES  world sizes for it (default: the suite's sizes; empty to skip it)
+torch_sizes=${TP2P_TORCH_SIZES-$sizes}
+if [ -n "$torch_sizes" ] && "$python" -c "import torch" 2>/dev/null; then
+    for n in $torch_sizes; do
+        echo "=== torch's distributed_test.py P2P tests at $n rank(s)${label:+ ($label)} ==="
+        timeout -k 15 "$limit" "${launch[@]}" -n "$n" "$python" -m pytest --with-mpi -q --rootdir "$root" \
+            --junitxml "$reports/torch$n$label.xml" "$root/tests/torchsuite" "$@"
+        check "torch suite at $n rank(s)${label:+ ($label)}" $?
+    done
+elif [ -n "$torch_sizes" ]; then
+    echo "=== torch's distributed_test.py P2P tests: skipped, torch is not installed${label:+ ($label)} ==="
 fi
 
 [ -n "${TP2P_REPORTS:-}" ] && exit "$status"  # the run that started this one prints the sum

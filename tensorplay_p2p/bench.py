@@ -1,6 +1,7 @@
 """OSU-style point-to-point benchmarks: tensorplay_p2p side by side with raw mpi4py and torch.distributed (gloo).
 
     mpiexec -n 2 python -m tensorplay_p2p.bench [--patterns exchange,bw] [--quick] [--out DIR]
+    python -m tensorplay_p2p.bench --profile    # where one batch_isend_irecv's time goes (see costs)
 
 Every pattern is measured for each implementation in the same run, interleaved: the timed
 iterations are split into blocks and the implementations take turns block by block (in a
@@ -44,6 +45,7 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 import tensorplay_p2p as tp
+from tensorplay_p2p import costs
 
 __all__ = ["IMPLS", "PATTERNS", "Config", "Result", "main", "parse_args", "run"]
 
@@ -157,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--reps", type=int, default=10, metavar="N", help="interleaved timing blocks per measurement (default 10)")
     add("--quick", action="store_true", help=f"scale iteration counts by {QUICK_SCALE:g} for a smoke run")
     add("--scale", type=float, default=None, metavar="F", help="scale OSU's iteration counts by F (overrides --quick)")
+    add(
+        "--profile",
+        action="store_true",
+        help="instead of the patterns: where the time of one batch_isend_irecv goes, step by step (rank 0)",
+    )
     add("--out", type=Path, default=None, metavar="DIR", help="write results.json, results.csv and results.png here")
     add("--no-plot", action="store_true", help="do not draw results.png")
     add(
@@ -1305,6 +1312,11 @@ def write_outputs(out: Path, meta: dict[str, Any], results: list[Result], plot: 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: measure, print the tables (rank 0), write the files; returns the exit status."""
+    if "--profile" in (sys.argv[1:] if argv is None else argv):
+        build_parser().parse_args(argv)  # --help and errors as for any other run
+        if COMM.Get_rank() == 0:
+            print(costs.report(costs.profile()), flush=True)
+        return 0
     config = parse_args(argv)
     meta = describe_run(config, argv)
     results = run(config)

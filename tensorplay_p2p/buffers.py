@@ -11,11 +11,15 @@ A resolved buffer is the tuple ``(spec, nbytes, keepalive, after)``:
 - ``spec``: what mpi4py's ``Isend``/``Irecv`` take, ``[buffer, count, datatype]``;
 - ``nbytes``: the message size in bytes;
 - ``keepalive``: what must outlive the request (the tensor, a staging buffer);
-- ``after``: None, or a hook the Work calls once the request has completed (copy a staged
-  receive back to the device, give the staging buffer back); see ``work.Work``.
+- ``after``: None, or a hook the handle calls once the request has completed (copy a staged
+  receive back to the device, give the staging buffer back), with a ``work.Receipt``; it is
+  called with None instead when the op was never posted (``release``).
 
-Host memory is always used in place: contiguous tensors as bytes, strided ones through a
-derived datatype (``layouts``), so the elements travel in logical C order.
+``place`` is the one place that chooses how a message travels, for one-shot ops and persistent
+exchanges alike: contiguous memory in place; a strided host layout through a derived datatype
+(``layouts``), in place, or packed by numpy into a host buffer at the sizes ``layouts.packs``
+names; device memory in place when MPI is CUDA-aware, else staged through a host buffer.
+Elements always travel in logical C order.
 """
 
 from __future__ import annotations
@@ -28,15 +32,28 @@ import numpy as np
 from mpi4py import MPI
 
 from . import devices, dlpack, layouts
-from .runtime import _state
+from .runtime import state
 
 if TYPE_CHECKING:
     from .errors import CommunicationError
-    from .work import Work
+    from .work import Receipt
 
-__all__ = ["After", "Memory", "Packed", "Resolved", "check_disjoint", "describe", "memory", "resolve"]
+__all__ = [
+    "After",
+    "Memory",
+    "Packed",
+    "Placement",
+    "Resolved",
+    "check_batch",
+    "check_disjoint",
+    "describe",
+    "memory",
+    "place",
+    "release",
+    "resolve",
+]
 
-After = Callable[["Work", "CommunicationError | None"], "CommunicationError | None"]
+After = Callable[["Receipt | None", "CommunicationError | None"], "CommunicationError | None"]
 Resolved = tuple[list[Any], int, Any, After | None]
 _Resolver = Callable[[Any, bool, str], Resolved]
 
@@ -150,7 +167,7 @@ def _device_memory(array: Any, writable: bool, what: str) -> Memory:
 
 
 def _classify(tp: type) -> Callable[[Any, bool, str], Memory]:
-    if any(issubclass(tp, cls) for cls in devices._registered):
+    if any(issubclass(tp, cls) for cls in devices.registered):
         return _device_memory
     if issubclass(tp, np.ndarray):
         return _numpy_memory
@@ -211,45 +228,86 @@ class Packed(NamedTuple):
     region: Region  # what overlap checks look at: the packed buffer is private
 
 
+class Placement(NamedTuple):
+    """How one message travels (see ``place``)."""
+
+    path: str  # "contiguous", "datatype", "packed" (host), "device" (CUDA-aware MPI) or "staged" (device)
+    spec: list[Any]  # what Isend/Irecv/Send_init/Recv_init take
+    nbytes: int
+    host: np.ndarray | None = None  # packed or staged: the host buffer MPI uses
+    in_place: np.ndarray | None = None  # packed: the tensor's elements, one item per contiguous block
+    blocks: np.ndarray | None = None  # packed: the same items in ``host``
+    datatype: MPI.Datatype | None = None  # an owned datatype, freed by the caller
+
+
+def place(
+    m: Memory, layout: layouts.Layout, *, offset: int = 0, owned: bool = False, checked: bool = False
+) -> Placement:
+    """How the elements of ``layout`` at ``offset`` bytes into ``m`` travel: the only place that decides.
+
+    ``owned`` (persistent messages): the datatype is built for the caller, who frees it, and a packing
+    buffer is the caller's own; otherwise datatypes come from the cache and buffers from the pools.
+    ``checked``: a header joins the message on the host, so device memory is staged.
+    """
+    address = m.address + offset
+    nbytes = layout.nbytes
+    if m.adapter is None:
+        if layout.contiguous:
+            return Placement("contiguous", spec(address, layout), nbytes)
+        if layouts.packs(layout):
+            host = np.empty(nbytes, np.uint8) if owned else devices.packing_pool.take(devices.pageable_host, nbytes)
+            in_place = layouts.as_array(address + layout.low, layout)
+            blocks = host.view(layouts.block_dtype(layout.block)).reshape(in_place.shape)
+            return Placement("packed", [host, nbytes, _BYTE], nbytes, host, in_place, blocks)
+        datatype = layouts.build(layout) if owned else None
+        return Placement("datatype", spec(address, layout, datatype), nbytes, datatype=datatype)
+    if not checked and devices.cuda_support().aware and not layouts.miswalked(layout):
+        datatype = layouts.build(layout) if owned and not layout.contiguous else None
+        return Placement("device", spec(address, layout, datatype), nbytes, datatype=datatype)
+    host = devices.staging_pool.take(m.adapter, nbytes)
+    return Placement("staged", [host, nbytes, _BYTE], nbytes, host)
+
+
 def _resolve_memory(m: Memory, writable: bool, what: str) -> Resolved:
     layout = plan(m, writable, what)
-    if m.adapter is None:
-        if layouts.packs(layout):
-            return _packed(m, layout, writable)
-        return spec(m.address, layout), layout.nbytes, m.keep, None
-    if not _state.checked and devices.cuda_support().aware and not layouts.miswalked(layout):
+    p = place(m, layout, checked=state.checked)
+    path = p.path
+    if path == "contiguous" or path == "datatype":
+        return p.spec, p.nbytes, m.keep, None
+    if path == "device":
+        assert m.adapter is not None
         m.adapter.synchronize(m.array)  # MPI must not touch the memory before the producing stream is done
-        return spec(m.address, layout), layout.nbytes, m.keep, None
-    return _staged(m, layout.nbytes, writable)
-
-
-def _staged(m: Memory, nbytes: int, writable: bool) -> Resolved:
-    """Device memory through a pooled host buffer: packed and copied before a send, copied back after a receive."""
-    adapter, array, pool = m.adapter, m.array, devices.staging_pool
-    assert adapter is not None
-    host = pool.take(adapter, nbytes)
-    if writable:
-        return (
-            [host, nbytes, _BYTE],
-            nbytes,
-            (m.keep, host),
-            _give_back(pool, host, lambda: adapter.from_host(host, array)),
-        )
-    try:
-        adapter.to_host(array, host)
-    except BaseException:
-        pool.give(host)
-        raise
-    return [host, nbytes, _BYTE], nbytes, (m.keep, host), _give_back(pool, host, None)
+        return p.spec, p.nbytes, m.keep, None
+    host = p.host
+    assert host is not None
+    if path == "packed":
+        pool, in_place, blocks = devices.packing_pool, p.in_place, p.blocks
+        assert in_place is not None and blocks is not None
+        copy_out = (lambda: np.copyto(in_place, blocks)) if writable else None
+        keep: Any = Packed(m.keep, host, (m.address, layout))
+        fill = None if writable else (lambda: np.copyto(blocks, in_place))
+    else:  # staged
+        adapter, array, pool = m.adapter, m.array, devices.staging_pool
+        assert adapter is not None
+        copy_out = (lambda: adapter.from_host(host, array)) if writable else None
+        keep = (m.keep, host)
+        fill = None if writable else (lambda: adapter.to_host(array, host))
+    if fill is not None:
+        try:
+            fill()
+        except BaseException:
+            pool.give(host)
+            raise
+    return p.spec, p.nbytes, keep, _give_back(pool, host, copy_out)
 
 
 def _give_back(pool: devices.StagingPool, host: np.ndarray, copy_out: Callable[[], None] | None) -> After:
     """The after-hook of a message through a pooled buffer: ``copy_out`` (a receive's data, if it arrived), then
     the buffer goes back to the pool."""
 
-    def after(work: Work, error: CommunicationError | None) -> CommunicationError | None:
+    def after(receipt: Receipt | None, error: CommunicationError | None) -> CommunicationError | None:
         try:
-            if error is None and copy_out is not None:
+            if error is None and receipt is not None and copy_out is not None:
                 copy_out()
         finally:
             pool.give(host)
@@ -258,43 +316,24 @@ def _give_back(pool: devices.StagingPool, host: np.ndarray, copy_out: Callable[[
     return after
 
 
-def _packed(m: Memory, layout: layouts.Layout, writable: bool) -> Resolved:
-    """A strided host message through a pooled buffer: packed by numpy before a send, unpacked after a receive."""
-    in_place = layouts.as_array(m.address + layout.low, layout)
-    return _through_buffer(in_place, layouts.block_dtype(layout.block), m.keep, (m.address, layout), writable)
-
-
-def _through_buffer(in_place: np.ndarray, dtype: Any, keep: Any, region: Region, writable: bool) -> Resolved:
-    """Pack ``in_place`` (a numpy view of the message's elements) into a pooled buffer, or unpack into it later."""
-    pool = devices.packing_pool
-    nbytes = in_place.nbytes
-    host = pool.take(devices.pageable_host, nbytes)
-    try:
-        blocks = host.view(dtype).reshape(in_place.shape)
-        if not writable:
-            np.copyto(blocks, in_place)
-    except BaseException:
-        pool.give(host)
-        raise
-    copy_out = (lambda: np.copyto(in_place, blocks)) if writable else None
-    return [host, nbytes, _BYTE], nbytes, Packed(keep, host, region), _give_back(pool, host, copy_out)
+def release(resolved: list[Resolved]) -> None:
+    """Give back what resolved buffers hold (pooled buffers, checked-mode datatypes) for ops never posted."""
+    for _, _, _, after in resolved:
+        if after is not None:
+            after(None, None)
 
 
 def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:
+    """``place``'s contiguous case for a numpy array, made lean; any other goes the whole way."""
     flags = a.flags
-    if (flags.writeable or not writable) and not a.dtype.hasobject:
-        if flags.c_contiguous:
-            return [a, a.nbytes, _BYTE], a.nbytes, a, None
-        layout = layouts.plan(a.itemsize, a.shape, a.strides)
-        if not (writable and layouts.may_overlap(layout)):
-            address = a.__array_interface__["data"][0]
-            if layouts.packs(layout):
-                return _through_buffer(a, a.dtype, a, (address, layout), writable)  # numpy copies the view itself
-            return spec(address, layout), layout.nbytes, a, None
+    if flags.c_contiguous and (flags.writeable or not writable) and not a.dtype.hasobject:
+        nbytes = a.nbytes
+        return [a, nbytes, _BYTE], nbytes, a, None
     return _resolve_memory(_numpy_memory(a, writable, what), writable, what)  # the checks, with their messages
 
 
 def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
+    """``place``'s contiguous case for a CPU torch tensor, made lean; any other goes the whole way."""
     if t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg()) and t.layout is _STRIDED:
         nbytes = t.numel() * t.element_size()
         return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
@@ -356,29 +395,46 @@ def _overlap_error(what: str, i: int, j: int) -> ValueError:
     )
 
 
+def check_batch(resolved: list[Resolved], receives: list[bool], what: str) -> None:
+    """ValueError if a receive buffer of a batch shares memory with another op's buffer (``check_disjoint`` over
+    resolved buffers, with the common exchange of two contiguous buffers decided at once)."""
+    if True not in receives:
+        return
+    if len(resolved) == 2:
+        (spec, count, keep, _), (spec2, count2, keep2, _) = resolved
+        if spec[2] is _BYTE and spec2[2] is _BYTE and type(keep) is not Packed and type(keep2) is not Packed:
+            buf, buf2 = spec[0], spec2[0]
+            if type(buf) is np.ndarray and type(buf2) is np.ndarray:
+                if buf is not buf2 and buf.flags.owndata and buf2.flags.owndata:
+                    return  # two allocations of their own
+                if np.may_share_memory(buf, buf2):  # bounds are exact for contiguous arrays
+                    raise _overlap_error(what, 0, 1)
+                return
+            lo, lo2 = _address(buf), _address(buf2)
+            if count and count2 and lo < lo2 + count2 and lo2 < lo + count:
+                raise _overlap_error(what, 0, 1)
+            return
+    check_disjoint(
+        [
+            (r, keep.region if type(keep) is Packed else spec)
+            for r, (spec, _, keep, _) in zip(receives, resolved, strict=True)
+        ],
+        what,
+    )
+
+
 def check_disjoint(specs: list[tuple[bool, Any]], what: str) -> None:
     """ValueError if a receive buffer shares memory with another op's buffer.
 
     Takes ``(is_receive, where)`` pairs; ``where`` is a resolved spec or a packed message's region.
     """
     receives = strided = False
-    for receiving, spec in specs:  # plain loops: this runs on every batch
+    for receiving, spec in specs:
         receives = receives or receiving
         strided = strided or type(spec) is tuple or spec[2] is not _BYTE
-    contiguous = not strided
     if not receives:
         return
-    if contiguous and len(specs) == 2:  # the common exchange: one receive, one send
-        (_, (buf, count, _)), (_, (buf2, count2, _)) = specs
-        if type(buf) is np.ndarray and type(buf2) is np.ndarray:  # bounds are exact for contiguous arrays
-            if np.may_share_memory(buf, buf2):
-                raise _overlap_error(what, 0, 1)
-            return
-        lo, lo2 = _address(buf), _address(buf2)
-        if count and count2 and lo < lo2 + count2 and lo2 < lo + count:
-            raise _overlap_error(what, 0, 1)
-        return
-    if contiguous:  # bytes only: compare sorted intervals
+    if not strided:  # bytes only: compare sorted intervals
         spans = sorted([(_address(spec[0]), spec[1], i, receiving) for i, (receiving, spec) in enumerate(specs)])
         for n, (lo, count, i, receiving) in enumerate(spans):
             for lo2, count2, j, receiving2 in spans[n + 1 :]:

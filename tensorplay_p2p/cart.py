@@ -17,7 +17,7 @@ class CartGroup(ProcessGroup):
     """A process group laid out on a grid; neighbours at non-periodic edges are ``MPI.PROC_NULL``."""
 
     __slots__ = ("_coords", "_dims", "_periods")
-    _proc_null_peers = True
+    proc_null_peers = True
 
     def __init__(self, comm: MPI.Cartcomm, name: str) -> None:
         super().__init__(comm, name, owns_comm=True)
@@ -29,7 +29,7 @@ class CartGroup(ProcessGroup):
     @property
     def comm(self) -> MPI.Cartcomm:
         """The MPI Cartesian communicator behind this group."""
-        comm = self._live_comm("comm")
+        comm = self.live_comm("comm")
         assert isinstance(comm, MPI.Cartcomm)
         return comm
 
@@ -49,14 +49,14 @@ class CartGroup(ProcessGroup):
         return self._coords
 
     def _check_dim(self, dim: int) -> int:
-        dim = groups._index(dim, "dim")
+        dim = groups.to_int(dim, "dim")
         if not 0 <= dim < len(self._dims):
             raise ValueError(f"dim {dim} is out of range for a {len(self._dims)}-dimensional grid")
         return dim
 
     def shift(self, dim: int, disp: int = 1) -> tuple[int, int]:
         """Group ranks ``(src, dst)``: who sends to me, and whom I send to, for a shift by ``disp`` along ``dim``."""
-        src, dst = self.comm.Shift(self._check_dim(dim), groups._index(disp, "disp"))
+        src, dst = self.comm.Shift(self._check_dim(dim), groups.to_int(disp, "disp"))
         return src, dst
 
     def neighbor(self, offset: Sequence[int]) -> int:
@@ -65,7 +65,7 @@ class CartGroup(ProcessGroup):
             raise ValueError(f"offset {tuple(offset)} needs {len(self._dims)} entries, one per grid dimension")
         target = []
         for c, o, n, periodic in zip(self._coords, offset, self._dims, self._periods, strict=True):
-            position = c + groups._index(o, "offset entry")
+            position = c + groups.to_int(o, "offset entry")
             if periodic:
                 position %= n
             elif not 0 <= position < n:
@@ -75,7 +75,7 @@ class CartGroup(ProcessGroup):
 
     def coords_of(self, group_rank: int) -> tuple[int, ...]:
         """Grid coordinates of a group rank."""
-        rank = groups._index(group_rank, "group_rank")
+        rank = groups.to_int(group_rank, "group_rank")
         if not 0 <= rank < self._size:
             raise ValueError(f"group rank {rank} is not part of {self.describe()}")
         return tuple(self.comm.Get_coords(rank))
@@ -98,11 +98,11 @@ def new_cart_group(
     Entries of ``dims`` that are 0 are chosen by ``MPI.Compute_dims``.  Ranks left over when the
     grid is smaller than the group get ``GroupMember.NON_GROUP_MEMBER``.
     """
-    parent = groups._resolve(group)
-    comm = parent._live_comm("new_cart_group")
+    parent = groups.resolve_group(group)
+    comm = parent.live_comm("new_cart_group")
     if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or not dims:
         raise TypeError("dims must be a non-empty sequence of ints (0 lets MPI choose)")
-    wanted = [groups._index(d, "dims entry") for d in dims]
+    wanted = [groups.to_int(d, "dims entry") for d in dims]
     if any(d < 0 for d in wanted):
         raise ValueError(f"dims {tuple(wanted)} must not be negative")
     size = comm.Get_size()
@@ -125,7 +125,7 @@ def new_cart_group(
     if cart == MPI.COMM_NULL:
         return GroupMember.NON_GROUP_MEMBER  # type: ignore[return-value]
     pg = CartGroup(cart, f"cart{next(_cart_names)}({'x'.join(map(str, wanted))})")
-    groups._created.append(pg)
+    groups.created.append(pg)
     return pg
 
 

@@ -5,7 +5,8 @@ header and the payload by absolute address (``MPI.BOTTOM``), so checked mode add
 and no copy of the payload, and any-source receives work unchanged.  Every rank must run in
 the same mode.  Off by default; when off, nothing here runs.
 
-One-shot messages are wrapped by ``wrap``; persistent exchanges build ``header`` and ``joined``
+One-shot messages are wrapped by ``wrap`` (before they are posted: the handle never learns of
+it); persistent exchanges build ``header`` and ``joined``
 once per message and judge each step's receipts with ``verdict``.
 """
 
@@ -20,7 +21,7 @@ from . import buffers
 from .errors import CommunicationError, MessageMismatchError, MessageSizeError
 
 if TYPE_CHECKING:
-    from .work import Work
+    from .work import Receipt
 
 __all__ = ["HEADER_BYTES", "Meta", "clear", "header", "joined", "verdict", "wrap"]
 
@@ -89,28 +90,36 @@ def joined(header: np.ndarray, spec: list[Any]) -> MPI.Datatype:
 
 
 def wrap(resolved: buffers.Resolved, tensor: Any, sending: bool) -> buffers.Resolved:
-    """The same message with a dtype-and-shape header in front, checked on receipt."""
+    """The same message with a dtype-and-shape header in front, checked on receipt (the plain message's buffers
+    are given back if this fails)."""
     spec, nbytes, keep, after = resolved
-    described = buffers.memory(tensor, False, "checked mode")
-    mine = (described.dtype, described.shape)
-    head = header(mine if sending else None)
-    struct = joined(head, spec)
+    try:
+        described = buffers.memory(tensor, False, "checked mode")
+        mine = (described.dtype, described.shape)
+        head = header(mine if sending else None)
+        struct = joined(head, spec)
+    except BaseException:
+        buffers.release([resolved])
+        raise
 
-    def verify(work: Work, error: CommunicationError | None) -> CommunicationError | None:
+    def verify(receipt: Receipt | None, error: CommunicationError | None) -> CommunicationError | None:
         struct.Free()
-        if not sending and work._peer != _PROC_NULL and (error is None or isinstance(error, MessageSizeError)):
-            error = _judge(work, error, head, mine)
-        return after(work, error) if after is not None else error
+        judged = error is None or isinstance(error, MessageSizeError)
+        if receipt is not None and not sending and receipt.peer != _PROC_NULL and judged:
+            error = _judge(receipt, error, head, mine)  # type: ignore[arg-type]
+        return after(receipt, error) if after is not None else error
 
     return [MPI.BOTTOM, 1, struct], nbytes + HEADER_BYTES, (keep, head, spec[0]), verify
 
 
-def _judge(work: Work, error: MessageSizeError | None, header: np.ndarray, mine: Meta) -> CommunicationError | None:
-    known = work._source if work._source >= 0 else work._group._global(work._peer)
+def _judge(
+    receipt: Receipt, error: MessageSizeError | None, header: np.ndarray, mine: Meta
+) -> CommunicationError | None:
+    known = receipt.source if receipt.source >= 0 else receipt.group.global_rank(receipt.peer)
     source = None if known < 0 else known
-    where = f"irecv from rank {source if source is not None else '?'} tag {work._tag}"
-    received = work._nbytes if error is None else error.received
-    return verdict(header, mine, received, work._nbytes - HEADER_BYTES, where, source, work._tag)
+    where = f"irecv from rank {source if source is not None else '?'} tag {receipt.tag}"
+    received = receipt.nbytes if error is None else error.received
+    return verdict(header, mine, received, receipt.nbytes - HEADER_BYTES, where, source, receipt.tag)
 
 
 def verdict(

@@ -156,16 +156,16 @@ def _memory_alloc_kinds() -> str | None:
 
 # --- Adapters -------------------------------------------------------------------------------
 
-_registered: dict[type, DeviceAdapter] = {}
+registered: dict[type, DeviceAdapter] = {}
 _listeners: list[Callable[[], None]] = []
 
 
 def register_adapter(cls: type, adapter: DeviceAdapter | None) -> None:
     """Use ``adapter`` for instances of ``cls`` and its subclasses (None removes it)."""
     if adapter is None:
-        _registered.pop(cls, None)
+        registered.pop(cls, None)
     else:
-        _registered[cls] = adapter
+        registered[cls] = adapter
     for listener in _listeners:
         listener()
 
@@ -177,7 +177,7 @@ def on_register(listener: Callable[[], None]) -> None:
 
 def adapter_for(obj: Any) -> DeviceAdapter | None:
     """The adapter for a registered or known device array, or None for host objects."""
-    for cls, adapter in _registered.items():
+    for cls, adapter in registered.items():
         if isinstance(obj, cls):
             return adapter
     torch = sys.modules.get("torch")
@@ -326,6 +326,16 @@ class StagingPool:
     def in_use(self) -> int:
         """Buffers taken and not yet given back."""
         return len(self._leased)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes held in buffers kept for reuse."""
+        return self._kept
+
+    def kept(self, adapter: HostBuffers, nbytes: int) -> int:
+        """How many buffers are kept for reuse in the size class of ``nbytes`` for ``adapter``."""
+        with self._lock:
+            return len(self._free.get((id(adapter), 1 << max(nbytes - 1, 0).bit_length()), ()))
 
     def take(self, adapter: HostBuffers, nbytes: int) -> np.ndarray:
         """A host buffer exactly ``nbytes`` long, cut from a pooled buffer of the next power of two."""

@@ -1,8 +1,30 @@
-"""Exceptions raised for failed communication."""
+"""Exceptions raised for failed communication, and the one place that words them.
+
+Every op description and error text of the package is made by a function here, and only when it
+is needed: nothing is formatted for a message until there is something to report.
+"""
 
 from __future__ import annotations
 
-__all__ = ["CommunicationError", "CommunicationTimeout", "MessageMismatchError", "MessageSizeError"]
+from typing import Any, Protocol
+
+from mpi4py import MPI
+
+__all__ = [
+    "CommunicationError",
+    "CommunicationTimeout",
+    "MessageMismatchError",
+    "MessageSizeError",
+    "batch_failures",
+    "describe_op",
+    "exchange_size_error",
+    "failure",
+    "hook_error",
+    "posting_error",
+    "size_error",
+    "timeout_error",
+    "verb",
+]
 
 
 class CommunicationError(RuntimeError):
@@ -53,3 +75,111 @@ class CommunicationTimeout(CommunicationError, TimeoutError):  # noqa: N818 (tor
     def __init__(self, message: str, *, pending: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.pending = pending
+
+
+# --- wording: every op description and every error text is made here, only when needed ---------
+
+
+class _Group(Protocol):
+    """What the wording needs of a process group."""
+
+    @property
+    def name(self) -> str: ...
+
+    global_of: tuple[int, ...]
+
+    def peer_text(self, group_rank: int) -> str: ...
+
+
+def verb(receive: bool) -> str:
+    """The op's name: ``"irecv"`` or ``"isend"``."""
+    return "irecv" if receive else "isend"
+
+
+def describe_op(receive: bool, group: _Group, peer: int, tag: int, nbytes: int, waited: float | None = None) -> str:
+    """One line naming an op, its peer (global and group rank), tag, size, group and how long it has waited."""
+    text = group.peer_text(peer) + (f" (group rank {peer})" if peer >= 0 else "")
+    pending = "" if waited is None else f", pending for {waited:.1f} s"
+    direction = "from" if receive else "to"
+    return f"{verb(receive)} {direction} {text}, tag {tag}, {nbytes} bytes, group {group.name!r}{pending}"
+
+
+def posting_error(what: str, receive: bool, group: _Group, peer: int, tag: int, exc: Any) -> CommunicationError:
+    """``Isend``/``Irecv`` (or ``Send``/``Recv``) raised ``exc`` (an ``MPI.Exception``) for this op."""
+    global_peer = group.global_of[peer] if peer >= 0 else None
+    return CommunicationError(
+        f"{what}: posting {verb(receive)} {'from' if receive else 'to'} {group.peer_text(peer)} tag {tag} failed",
+        op=verb(receive),
+        peer=global_peer,
+        tag=tag,
+        mpi_error=exc.Get_error_string().strip(),
+    )
+
+
+def size_error(source: int | None, tag: int, expected: int, received: int | None) -> MessageSizeError:
+    """A one-shot receive got ``received`` bytes (None: more than fit) where ``expected`` were posted."""
+    who = "any source" if source is None else f"rank {source}"
+    got = "a larger message" if received is None else f"{received} bytes"
+    return MessageSizeError(
+        f"irecv from {who} tag {tag}: expected {expected} bytes, received {got}",
+        op="irecv",
+        peer=source,
+        tag=tag,
+        expected=expected,
+        received=received,
+    )
+
+
+def exchange_size_error(where: str, source: int, tag: int, expected: int, received: int | None) -> MessageSizeError:
+    """A persistent exchange's message ``where`` got ``received`` bytes (None: more than fit), not ``expected``."""
+    if received is None:
+        size = f"is longer than the {expected} bytes expected"
+    else:
+        size = f"has {received} bytes where {expected} were expected"
+    return MessageSizeError(
+        f"{where} (tag {tag}) {size}; do both sides describe the same shapes?",
+        op="irecv",
+        peer=source,
+        tag=tag,
+        expected=expected,
+        received=received,
+    )
+
+
+def failure(receive: bool, source: int | None, tag: int, nbytes: int, code: int) -> CommunicationError:
+    """An op that MPI completed with error ``code``: MessageSizeError for a truncated receive."""
+    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+        return size_error(source, tag, nbytes, None)
+    who = "any source" if source is None else f"rank {source}"
+    return CommunicationError(
+        f"{verb(receive)} {'from' if receive else 'to'} {who} tag {tag} failed",
+        op=verb(receive),
+        peer=source,
+        tag=tag,
+        mpi_error=MPI.Get_error_string(code).strip(),
+    )
+
+
+def hook_error(description: str, receive: bool, exc: BaseException) -> CommunicationError:
+    """The message arrived, but its after-hook (copy-back, checks) raised ``exc``."""
+    error = CommunicationError(
+        f"{description}: the message arrived but completing it failed: {exc!r}", op=verb(receive)
+    )
+    error.__cause__ = exc
+    return error
+
+
+def batch_failures(failed: list[CommunicationError]) -> CommunicationError:
+    """The error a batch raises: its one failure, or one naming them all."""
+    if len(failed) == 1:
+        return failed[0]
+    return CommunicationError(f"{len(failed)} ops of the batch failed:\n  " + "\n  ".join(map(str, failed)))
+
+
+def timeout_error(prefix: str, timeout: float, lines: tuple[str, ...]) -> CommunicationTimeout:
+    """A wait ran ``timeout`` seconds with ``lines`` (one per op) still pending."""
+    return CommunicationTimeout(
+        f"{prefix}timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
+        f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
+        pending=lines,
+    )

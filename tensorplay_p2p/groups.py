@@ -32,27 +32,27 @@ _names = itertools.count(1)
 class ProcessGroup:
     """A set of ranks bound to one MPI intracommunicator, with rank translation computed once."""
 
-    _proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
+    proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
 
     __slots__ = (
         "__weakref__",
-        "_comm",
         "_destroyed",
-        "_global_of",
-        "_group_of",
         "_name",
         "_owns_comm",
         "_rank",
         "_size",
+        "communicator",
+        "global_of",
+        "group_of",
     )
 
     def __init__(self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False) -> None:
         self._name = name
         self._owns_comm = owns_comm
         self._destroyed = False
-        self._comm: MPI.Intracomm | None = None
-        self._global_of: tuple[int, ...] = ()
-        self._group_of: dict[int, int] = {}
+        self.communicator: MPI.Intracomm | None = None
+        self.global_of: tuple[int, ...] = ()
+        self.group_of: dict[int, int] = {}
         self._rank = -1
         self._size = -1
         if comm is not None:
@@ -68,9 +68,9 @@ class ProcessGroup:
             world.Free()
         if MPI.UNDEFINED in ranks:
             raise ValueError(f"communicator of group {self._name!r} holds processes outside MPI.COMM_WORLD")
-        self._comm = comm
-        self._global_of = tuple(ranks)
-        self._group_of = {g: i for i, g in enumerate(ranks)}
+        self.communicator = comm
+        self.global_of = tuple(ranks)
+        self.group_of = {g: i for i, g in enumerate(ranks)}
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._destroyed = False
@@ -78,7 +78,7 @@ class ProcessGroup:
     @property
     def comm(self) -> MPI.Intracomm:
         """The MPI communicator behind this group, for use with mpi4py directly."""
-        return self._live_comm("comm")
+        return self.live_comm("comm")
 
     @property
     def name(self) -> str:
@@ -88,12 +88,12 @@ class ProcessGroup:
     @property
     def ranks(self) -> tuple[int, ...]:
         """Global ranks of the members, in group-rank order."""
-        return self._global_of
+        return self.global_of
 
     @property
     def is_member(self) -> bool:
         """Whether the calling process belongs to this group."""
-        return self._comm is not None or self._destroyed
+        return self.communicator is not None or self._destroyed
 
     def rank(self) -> int:
         """The caller's rank in this group, -1 if it is not a member."""
@@ -103,21 +103,22 @@ class ProcessGroup:
         """Number of processes in this group, -1 if the caller is not a member."""
         return self._size
 
-    def _global(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
         """Global rank of a member, -1 for MPI.PROC_NULL or MPI.ANY_SOURCE."""
-        return self._global_of[group_rank] if group_rank >= 0 else -1
+        return self.global_of[group_rank] if group_rank >= 0 else -1
 
-    def _peer_text(self, group_rank: int) -> str:
-        """A peer as error messages name it."""
+    def peer_text(self, group_rank: int) -> str:
+        """A peer (a group rank, ANY_SOURCE or PROC_NULL) as error messages name it."""
         if group_rank == MPI.ANY_SOURCE:
             return "any source"
         if group_rank == MPI.PROC_NULL:
             return "no process (PROC_NULL)"
-        return f"rank {self._global_of[group_rank]}"
+        return f"rank {self.global_of[group_rank]}"
 
-    def _live_comm(self, what: str) -> MPI.Intracomm:
-        if self._comm is not None:
-            return self._comm
+    def live_comm(self, what: str) -> MPI.Intracomm:
+        """The communicator; for a destroyed group RuntimeError, for a non-member ValueError, naming ``what``."""
+        if self.communicator is not None:
+            return self.communicator
         if self._destroyed:
             raise RuntimeError(
                 f"{what}: process group {self._name!r} has been destroyed"
@@ -128,16 +129,16 @@ class ProcessGroup:
         )
 
     def _destroy(self) -> None:
-        if self._comm is not None and self._owns_comm:
-            self._comm.Free()
-        self._comm = None
+        if self.communicator is not None and self._owns_comm:
+            self.communicator.Free()
+        self.communicator = None
         self._destroyed = True
 
     def describe(self) -> str:
         """A short description for error messages: name, size and global ranks."""
         if not self.is_member:
             return f"group {self._name!r} (this process is not a member)"
-        ranks = self._global_of
+        ranks = self.global_of
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         return f"group {self._name!r} of size {self._size} (global ranks {shown})"
 
@@ -161,10 +162,10 @@ class group:  # noqa: N801  (torch.distributed spells it ``group.WORLD``)
     WORLD: ProcessGroup = GroupMember.WORLD
 
 
-_created: list[ProcessGroup] = []
+created: list[ProcessGroup] = []
 
 
-def _resolve(pg: ProcessGroup | None) -> ProcessGroup:
+def resolve_group(pg: ProcessGroup | None) -> ProcessGroup:
     if pg is None:
         return GroupMember.WORLD
     if not isinstance(pg, ProcessGroup):
@@ -172,7 +173,7 @@ def _resolve(pg: ProcessGroup | None) -> ProcessGroup:
     return pg
 
 
-def _index(value: object, what: str) -> int:
+def to_int(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, not bool")
     try:
@@ -183,60 +184,78 @@ def _index(value: object, what: str) -> int:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """The caller's rank in ``group`` (default: the world), -1 if it is not a member."""
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if pg.is_member:
-        pg._live_comm("get_rank")
+        pg.live_comm("get_rank")
     return pg.rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """The number of processes in ``group`` (default: the world), -1 if the caller is not a member."""
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if pg.is_member:
-        pg._live_comm("get_world_size")
+        pg.live_comm("get_world_size")
     return pg.size()
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Block until every member of ``group`` has called it."""
-    _resolve(group)._live_comm("barrier").Barrier()
+    resolve_group(group).live_comm("barrier").Barrier()
 
 
 def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
     """Translate a global rank into its rank in ``group``; ValueError if it is not a member."""
-    pg = _resolve(group)
-    rank = _index(global_rank, "global_rank")
+    pg = resolve_group(group)
+    rank = to_int(global_rank, "global_rank")
     try:
-        return pg._group_of[rank]
+        return pg.group_of[rank]
     except KeyError:
         raise ValueError(f"global rank {rank} is not part of {pg.describe()}") from None
 
 
 def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     """Translate a rank in ``group`` into its global rank; ValueError if out of range."""
-    pg = _resolve(group)
-    rank = _index(group_rank, "group_rank")
-    if not 0 <= rank < len(pg._global_of):
+    pg = resolve_group(group)
+    rank = to_int(group_rank, "group_rank")
+    if not 0 <= rank < len(pg.global_of):
         raise ValueError(f"group rank {rank} is not part of {pg.describe()}")
-    return pg._global_of[rank]
+    return pg.global_of[rank]
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     """Global ranks of the members of ``group``, in group-rank order."""
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if not pg.is_member:
         raise ValueError(f"get_process_group_ranks: {pg.describe()}")
-    return list(pg._global_of)
+    return list(pg.global_of)
 
 
-def _check_backend(backend: str | None) -> None:
-    if backend is not None and str(backend).lower() != "mpi":
-        raise ValueError(f"backend {backend!r} is not supported: tensorplay_p2p runs on MPI (backend='mpi')")
+TORCH_BACKENDS = frozenset({"mpi", "gloo", "nccl", "ucc", "xccl"})  # torch's names; every group here is MPI
+_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "meta"})
+
+
+def check_backend(backend: object, what: str) -> None:
+    """ValueError unless ``backend`` is None or a torch backend string (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...).
+
+    Code ported from torch names a backend per group; here every group is an MPI communicator, whatever the name.
+    """
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"{what}: backend must be a string or None, not {type(backend).__name__}")
+    for part in backend.lower().split(","):
+        device, sep, name = part.strip().rpartition(":")
+        if name.strip() in TORCH_BACKENDS and (not sep or device.strip() in _DEVICE_TYPES):
+            continue
+        raise ValueError(
+            f"{what}: backend {backend!r} is not a torch.distributed backend name; use 'mpi', 'gloo', 'nccl', "
+            "'ucc', a 'device:backend' list such as 'cpu:gloo,cuda:nccl', or None (every group runs on MPI)"
+        )
 
 
 def _world_ranks(ranks: Iterable[object], what: str) -> list[int]:
     world_size = MPI.COMM_WORLD.Get_size()
-    members = sorted(_index(r, f"{what} entry") for r in ranks)
+    members = sorted(to_int(r, f"{what} entry") for r in ranks)
     for r in members:
         if not 0 <= r < world_size:
             raise ValueError(f"{what}: rank {r} is out of range for a world of size {world_size}")
@@ -248,7 +267,7 @@ def _world_ranks(ranks: Iterable[object], what: str) -> list[int]:
 
 def _register(comm: MPI.Intracomm, name: str) -> ProcessGroup:
     pg = ProcessGroup(comm, name, owns_comm=True)
-    _created.append(pg)
+    created.append(pg)
     return pg
 
 
@@ -266,8 +285,8 @@ def new_group(
     Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
     non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
     """
-    _check_backend(backend)
-    world = GroupMember.WORLD._live_comm("new_group")
+    check_backend(backend, "new_group")
+    world = GroupMember.WORLD.live_comm("new_group")
     members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks")
     name = group_desc or f"group{next(_names)}"
     if world.Get_rank() not in members:
@@ -296,8 +315,8 @@ def new_subgroups_by_enumeration(
     Returns ``(the caller's group or None, one entry per list)``; entries for groups the
     caller is not in are ``GroupMember.NON_GROUP_MEMBER``.
     """
-    _check_backend(backend)
-    world = GroupMember.WORLD._live_comm("new_subgroups_by_enumeration")
+    check_backend(backend, "new_subgroups_by_enumeration")
+    world = GroupMember.WORLD.live_comm("new_subgroups_by_enumeration")
     if isinstance(ranks_per_subgroup_list, (str, bytes)) or not isinstance(ranks_per_subgroup_list, Sequence):
         raise TypeError("ranks_per_subgroup_list must be a list of lists of global ranks")
     if not ranks_per_subgroup_list:
@@ -329,25 +348,25 @@ def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGrou
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"group_from_comm needs an mpi4py Intracomm, not {type(comm).__name__}")
     pg = ProcessGroup(comm, name or comm.Get_name() or f"group{next(_names)}")
-    _created.append(pg)
+    created.append(pg)
     return pg
 
 
-def _destroy_all() -> None:
-    for pg in _created:
+def destroy_all() -> None:
+    for pg in created:
         pg._destroy()
-    _created.clear()
+    created.clear()
     GroupMember.WORLD._destroy()
 
 
-def _revive_world() -> None:
+def revive_world() -> None:
     GroupMember.WORLD._bind(MPI.COMM_WORLD)
 
 
-def _destroy_one(pg: ProcessGroup) -> None:
+def destroy_one(pg: ProcessGroup) -> None:
     if pg is GroupMember.WORLD:
-        _destroy_all()
+        destroy_all()
         return
     pg._destroy()
-    if pg in _created:
-        _created.remove(pg)
+    if pg in created:
+        created.remove(pg)

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import buffers
 from .cart import CartGroup
-from .groups import _index
+from .groups import to_int
 from .persistent import PersistentExchange
 from .runtime import tag_upper_bound
 
@@ -58,14 +58,14 @@ class HaloExchange(PersistentExchange):
         super().__init__(group)
         if not isinstance(group, CartGroup):
             raise TypeError(f"HaloExchange needs a CartGroup (see new_cart_group), not {type(group).__name__}")
-        comm = group._live_comm("HaloExchange")
+        comm = group.live_comm("HaloExchange")
         fields = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if not fields:
             raise ValueError("HaloExchange needs at least one tensor")
         ndim = len(group.dims)
         widths = self._widths(halo, ndim)
         directions = _directions(ndim, widths, corners)
-        base_tag = _index(tag, "tag")
+        base_tag = to_int(tag, "tag")
         last_tag = base_tag + len(fields) * max(len(directions), 1) - 1
         if base_tag < 0 or last_tag > tag_upper_bound():
             raise ValueError(f"tags {base_tag}..{last_tag} fall outside [0, {tag_upper_bound()}]")
@@ -107,11 +107,11 @@ class HaloExchange(PersistentExchange):
     @staticmethod
     def _widths(halo: int | Sequence[int], ndim: int) -> tuple[int, ...]:
         if isinstance(halo, Sequence):
-            widths = tuple(_index(h, "halo entry") for h in halo)
+            widths = tuple(to_int(h, "halo entry") for h in halo)
             if len(widths) != ndim:
                 raise ValueError(f"halo has {len(widths)} entries but the grid has {ndim} dimensions")
         else:
-            widths = (_index(halo, "halo"),) * ndim
+            widths = (to_int(halo, "halo"),) * ndim
         if any(h < 0 for h in widths):
             raise ValueError(f"halo widths {widths} must not be negative")
         return widths

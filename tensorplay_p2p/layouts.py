@@ -56,7 +56,7 @@ PACK_MAX = 16 << 20
 _MINUS_ONE_STRIDE_MISWALKED = "open mpi" in MPI.Get_library_version().lower()
 _cache: OrderedDict[tuple[int, tuple[tuple[int, int], ...]], MPI.Datatype] = OrderedDict()
 _layout_of: dict[int, Layout] = {}  # datatype handle → the layout it walks
-_retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
+retired: list[MPI.Datatype] = []  # evicted from the cache, freed by release_retired()
 _lock = threading.Lock()  # ops may be posted from several threads
 
 
@@ -142,15 +142,15 @@ def datatype(layout: Layout) -> MPI.Datatype:
         _cache[key] = built
         _layout_of[built.handle] = layout
         if len(_cache) > _CACHE_LIMIT:
-            _retired.append(_cache.popitem(last=False)[1])  # an op being prepared may still hold it
+            retired.append(_cache.popitem(last=False)[1])  # an op being prepared may still hold it
         return built
 
 
 def release_retired() -> None:
     """Free the datatypes evicted from the cache; call once the ops that used them are posted."""
     with _lock:
-        while _retired:
-            evicted = _retired.pop()
+        while retired:
+            evicted = retired.pop()
             _layout_of.pop(evicted.handle, None)
             evicted.Free()
 

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, checked, devices, layouts, signals, watchdog
+from . import buffers, checked, devices, errors, signals, watchdog
 from .errors import CommunicationError, MessageSizeError
 from .groups import ProcessGroup
-from .runtime import _seconds, _state
+from .runtime import seconds, state
 from .work import poll
 
 __all__ = ["PersistentExchange"]
@@ -41,6 +41,7 @@ _copyto = np.copyto
 class _Message(NamedTuple):
     """One persistent message."""
 
+    path: str  # how it travels (buffers.place): "contiguous", "datatype", "packed", "device" or "staged"
     receive: bool
     tensor: int  # index of the tensor it reads or writes
     peer: int  # group rank
@@ -67,6 +68,7 @@ class PersistentExchange:
         self._statuses: list[MPI.Status] = []
         self._receives: list[tuple[MPI.Status, _Message]] = []
         self._synchronized: list[buffers.Memory] = []
+        self._on_device: set[int] = set()  # tensors some message hands to MPI on the device
         self._movable: list[tuple[int, Any, int]] = []
         self._packs: list[tuple[np.ndarray, np.ndarray]] = []
         self._unpacks: list[tuple[np.ndarray, np.ndarray]] = []
@@ -75,10 +77,10 @@ class PersistentExchange:
         self._tensors: list[Any] = []
         self._memories: list[buffers.Memory] = []
         self._group = group
-        self._checked = _state.checked  # kept for the exchange's lifetime
+        self._checked = state.checked  # kept for the exchange's lifetime
         self._active = False
-        self._staged = False
-        self._posted = 0.0  # when the step in flight was started
+        self._staged = False  # whether some message is staged through a host buffer
+        self.posted = 0.0  # when the step in flight was started
 
     def _describe_tensors(self, tensors: list[Any], writable: list[bool]) -> None:
         self._tensors = tensors
@@ -86,12 +88,6 @@ class PersistentExchange:
             buffers.memory(t, w, f"{self._what} tensor {i}")
             for i, (t, w) in enumerate(zip(tensors, writable, strict=True))
         ]
-        devices_used = [m for m in self._memories if m.adapter is not None]
-        self._staged = bool(devices_used) and (
-            self._checked  # a header on the host and data on the device: staged
-            or not devices.cuda_support().aware
-            or any(layouts.miswalked(layouts.plan(m.itemsize, m.shape, m.strides)) for m in devices_used)
-        )
         self._closed = False
 
     def _add(
@@ -111,23 +107,18 @@ class PersistentExchange:
         shape = m.shape if region is None else tuple(r.stop - r.start for r in region)
         offset = 0 if region is None else sum(r.start * s for r, s in zip(region, m.strides, strict=True))
         layout = buffers.plan(m._replace(shape=shape), receive, f"{self._what} {label}")
-        host = None
+        placed = buffers.place(m, layout, offset=offset, owned=True, checked=self._checked)
+        if placed.datatype is not None:
+            self._datatypes.append(placed.datatype)
+        host = placed.host if placed.path == "staged" else None
         copy = None
-        if self._staged and m.adapter is not None:
-            host = devices.staging_pool.take(m.adapter, layout.nbytes)
-            spec: list[Any] = [host, layout.nbytes, MPI.BYTE]
-        elif m.adapter is None and layouts.packs(layout):
-            packed = np.empty(layout.nbytes, np.uint8)
-            in_place = layouts.as_array(m.address + offset + layout.low, layout)
-            blocks = packed.view(layouts.block_dtype(layout.block)).reshape(in_place.shape)
-            copy = (in_place, blocks) if receive else (blocks, in_place)
-            spec = [packed, layout.nbytes, MPI.BYTE]
-        else:
-            datatype = None
-            if not layout.contiguous:
-                datatype = layouts.build(layout)  # owned: a persistent request outlives cache evictions
-                self._datatypes.append(datatype)
-            spec = buffers.spec(m.address + offset, layout, datatype)
+        if placed.path == "packed":
+            assert placed.in_place is not None and placed.blocks is not None
+            copy = (placed.in_place, placed.blocks) if receive else (placed.blocks, placed.in_place)
+        elif placed.path == "device":
+            self._on_device.add(tensor)
+        self._staged = self._staged or host is not None
+        spec = placed.spec
         nbytes, header, meta = layout.nbytes, None, None
         if self._checked:
             meta = (m.dtype, shape)
@@ -137,13 +128,15 @@ class PersistentExchange:
             spec, nbytes = [MPI.BOTTOM, 1, struct], nbytes + checked.HEADER_BYTES
         request = comm.Recv_init(spec, peer, tag) if receive else comm.Send_init(spec, peer, tag)
         self._requests.append(request)
-        self._messages.append(_Message(receive, tensor, peer, tag, nbytes, region, host, label, copy, header, meta))
+        self._messages.append(
+            _Message(placed.path, receive, tensor, peer, tag, nbytes, region, host, label, copy, header, meta)
+        )
 
     def _ready(self) -> None:
         """Precompute what every step needs, so that a step does no more than it must."""
         self._statuses = [MPI.Status() for _ in self._requests]
         self._receives = [(s, m) for s, m in zip(self._statuses, self._messages, strict=True) if m.receive]
-        self._synchronized = [] if self._staged else [m for m in self._memories if m.adapter is not None]
+        self._synchronized = [self._memories[i] for i in sorted(self._on_device)]
         self._packs = [m.copy for m in self._messages if m.copy is not None and not m.receive]
         self._unpacks = [m.copy for m in self._messages if m.copy is not None and m.receive]
         self._headers = [m.header for m in self._messages if m.header is not None and m.receive]
@@ -168,8 +161,8 @@ class PersistentExchange:
     def _start(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"{self._what}.{call}: it has been closed")
-        if self._group._comm is None:
-            self._group._live_comm(f"{self._what}.{call}")  # raises: the group has been destroyed
+        if self._group.communicator is None:
+            self._group.live_comm(f"{self._what}.{call}")  # raises: the group has been destroyed
         if self._active:
             raise RuntimeError(f"{self._what}.{call}: the previous step has not been waited for")
         for i, data_ptr, address in self._movable:
@@ -192,7 +185,7 @@ class PersistentExchange:
         if self._requests:
             MPI.Prequest.Startall(self._requests)
         self._active = True
-        self._posted = time.monotonic()
+        self.posted = time.monotonic()
         if watchdog.active:
             watchdog.track(self)
 
@@ -200,14 +193,14 @@ class PersistentExchange:
         """Complete the step (one ``Waitall``); received regions are filled on return."""
         if not self._active:
             raise RuntimeError(f"{self._what}.wait: start() was not called")
-        seconds = None if timeout is None else _seconds(timeout, "timeout")
+        limit = None if timeout is None else seconds(timeout, "timeout")
         try:
-            if seconds is None:
+            if limit is None:
                 MPI.Request.Waitall(self._requests, self._statuses)
             else:
                 poll(
                     lambda: bool(_Testall(self._requests, self._statuses)),
-                    seconds,
+                    limit,
                     self._still_pending,
                     f"{self._what}: ",
                 )
@@ -253,26 +246,17 @@ class PersistentExchange:
             message.meta,
             received,
             message.nbytes - checked.HEADER_BYTES,
-            f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
+            f"{self._what}: the message for {message.label} from {self._group.peer_text(message.peer)} "
             f"(tag {message.tag})",
-            self._group._global(message.peer),
+            self._group.global_rank(message.peer),
             message.tag,
         )
 
     def _size_error(self, message: _Message, received: int | None) -> MessageSizeError:
         """A message of the wrong size for ``message``'s region (``received`` None: longer, size unknown)."""
-        if received is None:
-            size = f"is longer than the {message.nbytes} bytes expected"
-        else:
-            size = f"has {received} bytes where {message.nbytes} were expected"
-        return MessageSizeError(
-            f"{self._what}: the message for {message.label} from {self._group._peer_text(message.peer)} "
-            f"(tag {message.tag}) {size}; do both sides describe the same shapes?",
-            op="irecv",
-            peer=self._group._global(message.peer),
-            tag=message.tag,
-            expected=message.nbytes,
-            received=received,
+        where = f"{self._what}: the message for {message.label} from {self._group.peer_text(message.peer)}"
+        return errors.exchange_size_error(
+            where, self._group.global_rank(message.peer), message.tag, message.nbytes, received
         )
 
     def exchange(self, timeout: timedelta | float | None = None) -> None:
@@ -282,7 +266,7 @@ class PersistentExchange:
             and self._plain
             and not self._active
             and not self._closed
-            and self._group._comm is not None
+            and self._group.communicator is not None
             and not watchdog.active
         ):
             for destination, source in self._packs:
@@ -317,13 +301,18 @@ class PersistentExchange:
 
     def _describe(self, message: _Message, now: float | None) -> str:
         verb, direction = ("irecv", "from") if message.receive else ("isend", "to")
-        waited = "pending" if now is None else f"pending for {now - self._posted:.1f} s"
+        waited = "pending" if now is None else f"pending for {now - self.posted:.1f} s"
         return (
-            f"{self._what}: {verb} {direction} {self._group._peer_text(message.peer)} (group rank {message.peer}), "
+            f"{self._what}: {verb} {direction} {self._group.peer_text(message.peer)} (group rank {message.peer}), "
             f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, {waited}"
         )
 
     # --- life cycle ------------------------------------------------------------------------
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """How each message travels, in the order built: "contiguous", "datatype", "packed", "device" or "staged"."""
+        return tuple(m.path for m in self._messages)
 
     @property
     def messages(self) -> int:

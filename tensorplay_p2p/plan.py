@@ -25,7 +25,7 @@ class P2PPlan(PersistentExchange):
         if pg is None:
             raise ValueError("P2PPlan: this process is not a member of the ops' group")
         super().__init__(pg)
-        comm = pg._live_comm("P2PPlan")
+        comm = pg.live_comm("P2PPlan")
         receiving = [p2p.op is irecv for p2p in p2p_op_list]
         self._describe_tensors([p2p.tensor for p2p in p2p_op_list], receiving)
         try:

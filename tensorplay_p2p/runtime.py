@@ -26,7 +26,8 @@ ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool = False) -> bool:
+    """An environment variable read as a flag (0/1, false/true, no/yes, off/on); ValueError for anything else."""
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default
@@ -38,12 +39,15 @@ def _env_flag(name: str, default: bool = False) -> bool:
 
 
 class _State:
+    """The process-wide settings (package-internal, as ``state``): written only by this module's calls, and by
+    tests that need a rank to behave as one in another mode."""
+
     initialized = False
     timeout: float | None = None
-    checked: bool = _env_flag(ENV_CHECK)
+    checked: bool = env_flag(ENV_CHECK)
 
 
-_state = _State()
+state = _State()
 
 
 def tag_upper_bound() -> int:
@@ -54,7 +58,8 @@ def tag_upper_bound() -> int:
 _TAG_UB: int = int(cast(int, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
 
 
-def _seconds(timeout: timedelta | float | None, what: str) -> float | None:
+def seconds(timeout: timedelta | float | None, what: str) -> float | None:
+    """A timeout (seconds or timedelta) in seconds, None for none; TypeError or ValueError naming ``what``."""
     if timeout is None:
         return None
     if isinstance(timeout, timedelta):
@@ -73,14 +78,14 @@ def _env_timeout() -> float | None:
     if not value:
         return None
     try:
-        return _seconds(float(value), ENV_TIMEOUT)
+        return seconds(float(value), ENV_TIMEOUT)
     except ValueError:
         raise ValueError(f"{ENV_TIMEOUT} must be a number of seconds, not {value!r}") from None
 
 
 if (_startup_timeout := _env_timeout()) is not None:
     watchdog.enable(_startup_timeout)
-if _env_flag(ENV_SIGNALS, default=True):
+if env_flag(ENV_SIGNALS, default=True):
     signals.install()  # Ctrl-C and SIGTERM end a rank stuck in a wait (see signals)
 
 
@@ -103,44 +108,44 @@ def init_process_group(
     mode on or off (default: the ``TENSORPLAY_P2P_CHECK`` environment variable); every rank
     must use the same mode.
     """
-    groups._check_backend(backend)
-    seconds = _seconds(timeout, "timeout")
+    groups.check_backend(backend, "init_process_group")
+    limit = seconds(timeout, "timeout")
     mpi_size, mpi_rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
-    world_size = groups._index(world_size, "world_size")
-    rank = groups._index(rank, "rank")
+    world_size = groups.to_int(world_size, "world_size")
+    rank = groups.to_int(rank, "rank")
     if world_size not in (-1, mpi_size):
         raise ValueError(f"init_process_group: world_size={world_size} but MPI was launched with {mpi_size} processes")
     if rank not in (-1, mpi_rank):
         raise ValueError(f"init_process_group: rank={rank} but this process is MPI rank {mpi_rank}")
-    if _state.initialized:
+    if state.initialized:
         raise ValueError("init_process_group was called twice; call destroy_process_group() first")
-    if GroupMember.WORLD._comm is None:
-        groups._revive_world()
-    _state.initialized = True
-    _state.timeout = seconds
-    if seconds is not None:
-        watchdog.enable(seconds)
+    if GroupMember.WORLD.communicator is None:
+        groups.revive_world()
+    state.initialized = True
+    state.timeout = limit
+    if limit is not None:
+        watchdog.enable(limit)
     if check is not None:
-        _state.checked = bool(check)
+        state.checked = bool(check)
 
 
 def checked_mode() -> bool:
     """Whether checked mode (dtype and shape verified on every message) is on."""
-    return _state.checked
+    return state.checked
 
 
 def is_initialized() -> bool:
     """Whether init_process_group has been called (and not undone by destroy_process_group)."""
-    return _state.initialized
+    return state.initialized
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Free one group, or with no argument every group and the default one."""
     if group is None or group is GroupMember.WORLD:
-        groups._destroy_all()
+        groups.destroy_all()
         layouts.clear_cache()
-        _state.initialized = False
-        _state.timeout = None
+        state.initialized = False
+        state.timeout = None
         if _env_timeout() is None:
             watchdog.disable()
         return
@@ -148,13 +153,13 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")
     if group is GroupMember.NON_GROUP_MEMBER:
         return
-    groups._destroy_one(group)
+    groups.destroy_one(group)
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
     """Always ``"mpi"``; ValueError for a group the caller is not in."""
-    pg = groups._resolve(group)
+    pg = groups.resolve_group(group)
     if not pg.is_member:
         raise ValueError(f"get_backend: {pg.describe()}")
-    pg._live_comm("get_backend")
+    pg.live_comm("get_backend")
     return "mpi"

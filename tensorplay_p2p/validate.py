@@ -7,12 +7,12 @@ import warnings
 
 from mpi4py import MPI
 
-from .groups import GroupMember, ProcessGroup, _index
+from .groups import GroupMember, ProcessGroup, to_int
 from .runtime import tag_upper_bound
 
 __all__ = ["check_tag", "member_group", "resolve_peer"]
 
-_TAG_UB = tag_upper_bound()
+TAG_UB = tag_upper_bound()
 ANY_SOURCE: int = MPI.ANY_SOURCE
 PROC_NULL: int = MPI.PROC_NULL
 
@@ -23,8 +23,8 @@ _THREAD_LEVELS = {
     MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
     MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
 }
-_SINGLE_THREADED = MPI.Query_thread() < MPI.THREAD_MULTIPLE
-_first_thread: int | None = None
+single_threaded = MPI.Query_thread() < MPI.THREAD_MULTIPLE
+first_thread: int | None = None
 
 
 def thread_level_name() -> str:
@@ -34,11 +34,11 @@ def thread_level_name() -> str:
 
 def check_thread(what: str) -> None:
     """RuntimeError on a call from a second thread when the MPI library is not MPI_THREAD_MULTIPLE."""
-    global _first_thread
+    global first_thread
     me = threading.get_ident()
-    if _first_thread is None:
-        _first_thread = me
-    elif me != _first_thread:
+    if first_thread is None:
+        first_thread = me
+    elif me != first_thread:
         level = thread_level_name()
         raise RuntimeError(
             f"{what}: called from a second thread, but the MPI library provides {level}; concurrent use from "
@@ -49,30 +49,30 @@ def check_thread(what: str) -> None:
 
 def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
     """The group to use (WORLD for None), or None after a warning when the caller is not a member."""
-    if _SINGLE_THREADED:
+    if single_threaded:
         check_thread(what)
     if group is None:
         group = GroupMember.WORLD
     elif not isinstance(group, ProcessGroup):
         raise TypeError(f"{what}: group must be a ProcessGroup or None, not {type(group).__name__}")
-    if group._comm is None:
+    if group.communicator is None:
         if not group.is_member:
             warnings.warn(
                 f"Running {what} on global rank {MPI.COMM_WORLD.Get_rank()} which does not belong to the given group.",
                 stacklevel=3,
             )
             return None
-        group._live_comm(what)
+        group.live_comm(what)
     return group
 
 
 def check_tag(tag: object, what: str) -> int:
     """``tag`` as an int in [0, MPI_TAG_UB]; TypeError or ValueError otherwise."""
     if type(tag) is not int:
-        tag = _index(tag, f"{what}: tag")
+        tag = to_int(tag, f"{what}: tag")
     assert isinstance(tag, int)
-    if not 0 <= tag <= _TAG_UB:
-        raise ValueError(f"{what}: tag {tag} is outside [0, {_TAG_UB}], the range this MPI library accepts")
+    if not 0 <= tag <= TAG_UB:
+        raise ValueError(f"{what}: tag {tag} is outside [0, {TAG_UB}], the range this MPI library accepts")
     return tag
 
 
@@ -97,16 +97,16 @@ def resolve_peer(
             if optional:
                 return ANY_SOURCE
             raise ValueError(f"{what}: one of {global_name} and {group_name} must be given")
-        rank = peer if type(peer) is int else _index(peer, f"{what}: {global_name}")
+        rank = peer if type(peer) is int else to_int(peer, f"{what}: {global_name}")
         assert isinstance(rank, int)
-        found = pg._group_of.get(rank)
+        found = pg.group_of.get(rank)
         if found is None:
             raise ValueError(f"{what}: {global_name}={rank} is not a member of {pg.describe()}")
         return found
     if peer is not None:
         raise ValueError(f"{what}: give either {global_name} or {group_name}, not both")
-    rank = group_peer if type(group_peer) is int else _index(group_peer, f"{what}: {group_name}")
+    rank = group_peer if type(group_peer) is int else to_int(group_peer, f"{what}: {group_name}")
     assert isinstance(rank, int)
-    if not 0 <= rank < pg._size and not (rank == PROC_NULL and pg._proc_null_peers):
+    if not 0 <= rank < pg.size() and not (rank == PROC_NULL and pg.proc_null_peers):
         raise ValueError(f"{what}: {group_name}={rank} is out of range for {pg.describe()}")
     return rank

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .abort import abort_job
 
-__all__ = ["EXIT_CODE", "active", "disable", "enable", "track", "untrack"]
+__all__ = ["EXIT_CODE", "active", "disable", "enable", "running", "track", "untrack"]
 
 EXIT_CODE = 3  # the job's exit status when the watchdog aborts it
 
@@ -26,7 +26,7 @@ EXIT_CODE = 3  # the job's exit status when the watchdog aborts it
 class Watched(Protocol):
     """Something pending: when it was posted and how to describe what is still outstanding."""
 
-    _posted: float
+    posted: float
 
     def pending_lines(self, now: float) -> list[str]:
         """One line per operation still pending."""
@@ -49,7 +49,7 @@ class _Watchdog:
                 continue
             time.sleep(min(max(timeout / 4, 0.05), 1.0))
             now = time.monotonic()
-            late = [w for w in list(self.pending.values()) if now - w._posted > timeout]
+            late = [w for w in list(self.pending.values()) if now - w.posted > timeout]
             if late:
                 self.abort(late, timeout, now)
 
@@ -84,6 +84,11 @@ def disable() -> None:
     active = False
     _dog.timeout = None
     _dog.pending.clear()
+
+
+def running() -> bool:
+    """Whether the watchdog's thread has been started (it is, from the first ``enable``)."""
+    return _dog.thread is not None
 
 
 def track(item: Watched) -> None:

@@ -3,6 +3,11 @@
 Each kind makes a tensor of its own from numpy values, makes an empty one, and reads one back
 as numpy for checking.  ``bfloat16`` values are carried as float32 in numpy (they round-trip
 exactly for the small integers the tests use).  A kind whose framework is missing is skipped.
+
+A kind can also wrap an existing numpy buffer without copying (``ArrayKind.wrap``): a view of the
+same memory, so that a test can write the values to send and read what arrived in numpy, step
+after step.  Where a kind cannot (a dtype numpy lacks, negative strides, a read-only buffer the
+framework would make writable), ``wrap`` raises ``NotZeroCopyError`` saying why.
 """
 
 from __future__ import annotations
@@ -49,9 +54,13 @@ def values(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
     return out.reshape(shape)
 
 
+class NotZeroCopyError(Exception):
+    """A kind cannot hold this numpy buffer as a tensor of its own without copying it."""
+
+
 @dataclass(frozen=True)
 class ArrayKind:
-    """How to make and read back tensors of one kind."""
+    """How to make and read back tensors of one kind, and how to wrap a numpy buffer as one without a copy."""
 
     name: str
     module: str | None
@@ -60,6 +69,8 @@ class ArrayKind:
     view_of: Callable[[Any, tuple[Any, ...], tuple[int, ...] | None], Any]
     dtypes: tuple[str, ...] = DTYPES
     negative_strides: bool = False
+    share: Callable[[np.ndarray], Any] | None = None  # a tensor of this kind on the numpy array's own memory
+    shares_read_only: bool = False  # a read-only array stays read-only when shared
 
     @property
     def available(self) -> bool:
@@ -72,6 +83,19 @@ class ArrayKind:
     def view(self, t: Any, index: tuple[Any, ...], perm: tuple[int, ...] | None = None) -> Any:
         """``t[index]``, then its axes permuted by ``perm``: a strided view sharing ``t``'s memory."""
         return self.view_of(t, index, perm)
+
+    def wrap(self, a: np.ndarray) -> Any:
+        """``a`` as a tensor of this kind that shares its memory: a receive into it writes ``a``, and a send from it
+        sends what ``a`` holds then.  Raises ``NotZeroCopyError`` where this kind would need a copy."""
+        if self.share is None:
+            raise NotZeroCopyError(f"{self.name} has no zero-copy view of a numpy buffer")
+        if a.dtype.name not in self.dtypes:
+            raise NotZeroCopyError(f"{self.name} has no {a.dtype.name} tensors")
+        if not self.negative_strides and any(s < 0 for s in a.strides):
+            raise NotZeroCopyError(f"{self.name} tensors have no negative strides")
+        if not (a.flags.writeable or self.shares_read_only):
+            raise NotZeroCopyError(f"{self.name} cannot share a read-only buffer and keep it read-only")
+        return self.share(a)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A new tensor of this kind filled with a marker value no test sends."""
@@ -127,6 +151,18 @@ def _tensorplay_to_numpy(t: Any) -> np.ndarray:
     return np.array(t.numpy(), copy=True)
 
 
+def _torch_share(a: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def _tensorplay_share(a: np.ndarray) -> Any:
+    import tensorplay
+
+    return tensorplay.from_dlpack(a)  # numpy exports writable arrays only: wrap() refuses read-only ones first
+
+
 _NO_BF16 = tuple(d for d in DTYPES if d != "bfloat16")
 
 KINDS = (
@@ -138,6 +174,8 @@ KINDS = (
         _numpy_view,
         dtypes=_NO_BF16,
         negative_strides=True,
+        share=lambda a: a,
+        shares_read_only=True,
     ),
     ArrayKind(
         "buffer",
@@ -147,6 +185,8 @@ KINDS = (
         lambda m, i, p: memoryview(_numpy_view(np.asarray(m), i, p)),
         dtypes=_NO_BF16,
         negative_strides=True,
+        share=memoryview,
+        shares_read_only=True,
     ),
     ArrayKind(
         "dlpack",
@@ -155,9 +195,19 @@ KINDS = (
         lambda t: np.array(t.array, copy=True),
         lambda t, i, p: DLPackOnly(_numpy_view(t.array, i, p)),
         dtypes=_NO_BF16,
+        share=DLPackOnly,
+        shares_read_only=True,  # a versioned DLPack capsule carries numpy's read-only flag
     ),
-    ArrayKind("torch", "torch", _torch_from_numpy, _torch_to_numpy, _framework_view),
-    ArrayKind("tensorplay", "tensorplay", _tensorplay_from_numpy, _tensorplay_to_numpy, _framework_view),
+    ArrayKind("torch", "torch", _torch_from_numpy, _torch_to_numpy, _framework_view, share=_torch_share),
+    ArrayKind(
+        "tensorplay",
+        "tensorplay",
+        _tensorplay_from_numpy,
+        _tensorplay_to_numpy,
+        _framework_view,
+        share=_tensorplay_share,
+    ),
 )
 
 KIND_DTYPES = [(k, d) for k in KINDS for d in k.dtypes]
+KIND_NAMED = {k.name: k for k in KINDS}

@@ -14,11 +14,9 @@ import pytest
 from arraykinds import KIND_DTYPES, KINDS, ArrayKind
 from fakedevice import FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
+from world import RANK
 
 from tensorplay_p2p import devices
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
 
 
 @pytest.hookimpl(trylast=True)

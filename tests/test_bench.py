@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpi4py import MPI
+from world import RANK, SIZE
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import bench
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
 QUICK = ["--quick", "--scale", "0.01", "--max-size", "64", "--halo-max-edge", "16", "--reps", "3"]
 PAIRED = ("exchange", "latency", "bw", "batch")  # need two ranks
 

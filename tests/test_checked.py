@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 from arraykinds import ArrayKind, values
 from mpi4py import MPI
+from world import NEXT, PREV, RANK, SIZE, WAIT
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import runtime
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -121,25 +117,25 @@ def test_many_dimensions_fold_into_the_header() -> None:
 
 
 def test_env_flag_parsing() -> None:
-    assert runtime._env_flag("TENSORPLAY_P2P_TEST_UNSET_FLAG") is False
+    assert runtime.env_flag("TENSORPLAY_P2P_TEST_UNSET_FLAG") is False
     import os
 
     os.environ["TENSORPLAY_P2P_TEST_FLAG"] = "yes"
     try:
-        assert runtime._env_flag("TENSORPLAY_P2P_TEST_FLAG") is True
+        assert runtime.env_flag("TENSORPLAY_P2P_TEST_FLAG") is True
         os.environ["TENSORPLAY_P2P_TEST_FLAG"] = "2"
         with pytest.raises(ValueError, match="must be 0 or 1"):
-            runtime._env_flag("TENSORPLAY_P2P_TEST_FLAG")
+            runtime.env_flag("TENSORPLAY_P2P_TEST_FLAG")
     finally:
         del os.environ["TENSORPLAY_P2P_TEST_FLAG"]
 
 
 def test_unchecked_sender_is_reported() -> None:
-    runtime._state.checked = False  # this rank sends as a rank outside checked mode would
+    runtime.state.checked = False  # this rank sends as a rank outside checked mode would
     try:
         sent = dist.isend(np.zeros(4), NEXT, tag=7)
     finally:
-        runtime._state.checked = True
+        runtime.state.checked = True
     into = np.zeros(4)
     recv = dist.irecv(into, PREV, tag=7)
     assert sent is not None and recv is not None
@@ -217,7 +213,7 @@ def test_plan_steps_pass_in_checked_mode() -> None:
         ]
     ) as plan:
         assert "checked" in repr(plan)
-        assert any(m.copy is not None for m in plan._messages), "the large column travels packed"
+        assert "packed" in plan.paths, "the large column travels packed"
         for step in range(3):
             out[...] = 10 * RANK + step
             wide[:, 0] = np.arange(rows) + 1000 * RANK + step
@@ -298,11 +294,11 @@ def test_plan_receive_without_a_header_is_reported_not_taken_for_the_last_one() 
         send.exchange(timeout=WAIT)
         receive.wait(timeout=WAIT)
         receive.start()
-        runtime._state.checked = False  # this rank sends as a rank outside checked mode would
+        runtime.state.checked = False  # this rank sends as a rank outside checked mode would
         try:
             sent = dist.isend(np.zeros(0), NEXT, tag=10)
         finally:
-            runtime._state.checked = True
+            runtime.state.checked = True
         assert sent is not None
         with pytest.raises(
             dist.MessageMismatchError,
@@ -368,7 +364,7 @@ def test_halo_mismatch_names_both_sides_every_step_and_writes_nothing() -> None:
     right, left = cart.neighbor((1,)), cart.neighbor((-1,))
     dtype = {n: "int32" if n == 0 else "float32" for n in (right, left)}
     with dist.HaloExchange(field, cart) as hx:
-        assert all(m.copy is not None for m in hx._messages), "the faces travel packed"
+        assert set(hx.paths) == {"packed"}, "the faces travel packed"
         for _ in range(2):
             # the receives in order: the ghost on side +1 from the right (tag 0), on side -1 from the left (tag 1)
             wrong = [(n, t) for n, t in ((right, 0), (left, 1)) if dtype[n] != mine]

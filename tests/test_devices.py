@@ -15,15 +15,10 @@ import numpy as np
 import pytest
 from fakedevice import STALE, FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
-from world import size_error, wait_or_cancel
+from world import NEXT, PREV, RANK, WAIT, read_only, size_error, wait_or_cancel
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -122,14 +117,12 @@ def test_failed_staged_receive_is_not_copied_back(fake: FakeAdapter) -> None:
 
 def test_rejected_batch_returns_its_staging_buffers(fake: FakeAdapter) -> None:
     devices.override_cuda_aware(False)
-    readonly = np.zeros(2)
-    readonly.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, FakeDeviceArray(np.ones(4)), NEXT),
                 dist.P2POp(dist.irecv, FakeDeviceArray(np.ones(4)), PREV),
-                dist.P2POp(dist.irecv, readonly, PREV),
+                dist.P2POp(dist.irecv, read_only(np.zeros(2)), PREV),
             ]
         )
     assert devices.staging_pool.in_use == 0
@@ -229,9 +222,9 @@ def test_pool_keeps_the_size_in_use_within_its_byte_budget() -> None:
     large = pool.take(source, 3000)  # a 4096-byte class: the 1024-byte ones make room for it
     pool.give(large)
     assert pool.take(source, 4096) is not None and len(made) == 5
-    assert len(pool._free[(id(source), 1024)]) == 0
+    assert pool.kept(source, 1024) == 0
     pool.trim()
-    assert pool._kept == 0 and not any(pool._free.values())
+    assert pool.kept_bytes == 0 and pool.kept(source, 4096) == 0
     huge = pool.take(source, 8192)  # larger than the whole budget: never kept
     pool.give(huge)
-    assert not pool._free[(id(source), 8192)]
+    assert pool.kept(source, 8192) == 0

@@ -196,7 +196,7 @@ def test_datatypes_evicted_while_a_batch_is_prepared_stay_valid(monkeypatch: pyt
     expected = np.arange(12 * 40, dtype=np.float64).reshape(12, 40) + 1000 * PREV
     for j, into in enumerate(intos):
         np.testing.assert_array_equal(into, expected[:, j : j + 1 + j % 3])
-    assert layouts.cache_size() <= 4 and not layouts._retired
+    assert layouts.cache_size() <= 4 and not layouts.retired
     layouts.clear_cache()
 
 

@@ -6,13 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from world import NEXT, PREV, RANK, SIZE
 
 import tensorplay_p2p as dist
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
 MiB = 2**20
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from arraykinds import ArrayKind, values
 from mpi4py import MPI
-from world import ANY_SOURCE_WAIT, abort_if_stuck, await_message, wait_or_cancel
+from world import ANY_SOURCE_WAIT, NEXT, PREV, RANK, SIZE, WAIT, abort_if_stuck, await_message, wait_or_cancel
 
 import tensorplay_p2p as dist
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0  # seconds; a lost message fails the test instead of hanging the suite
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -26,7 +22,9 @@ def test_ring_batch_every_kind_and_dtype(kind_dtype: tuple[ArrayKind, str]) -> N
     into = kind.empty((3, 4), dtype)
     work = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)])
     assert isinstance(work, dist.BatchWork)
-    assert work.wait(timeout=WAIT) is True
+    work.wait(timeout=WAIT)
+    assert work.is_success() and work.exception() is None
+    assert all(w.is_success() and w.exception() is None for w in work)
     np.testing.assert_array_equal(kind.to_numpy(into), values((3, 4), dtype, seed=PREV))
     np.testing.assert_array_equal(kind.to_numpy(out), values((3, 4), dtype, seed=RANK))
 
@@ -37,8 +35,9 @@ def test_isend_irecv_every_kind(kind: ArrayKind) -> None:
     rw = dist.irecv(into, src=PREV, tag=5)
     sw = dist.isend(out, dst=NEXT, tag=5)
     assert isinstance(rw, dist.Work) and isinstance(sw, dist.Work)
-    assert sw.wait(timeout=WAIT) is True
-    assert rw.wait(timeout=WAIT) is True
+    sw.wait(timeout=WAIT)
+    rw.wait(timeout=WAIT)
+    assert sw.is_completed() and sw.is_success() and sw.exception() is None
     assert rw.is_completed() and rw.is_success() and rw.exception() is None
     assert rw.source_rank() == PREV
     np.testing.assert_array_equal(kind.to_numpy(into), values((5,), "float32", seed=PREV))
@@ -153,25 +152,34 @@ def test_largest_tag_works() -> None:
     assert into[0] == 1.0
 
 
-def test_batchwork_is_a_list_of_work() -> None:
+def test_batchwork_is_a_sequence_of_work() -> None:
     into = np.zeros(2)
     reqs = dist.batch_isend_irecv(
         [dist.P2POp(dist.isend, np.full(2, RANK * 1.0), NEXT), dist.P2POp(dist.irecv, into, PREV)]
     )
-    assert isinstance(reqs, list) and len(reqs) == 2
+    assert isinstance(reqs, Sequence) and len(reqs) == 2
     assert all(isinstance(r, dist.Work) for r in reqs)
+    assert reqs[0] is reqs[0] and list(reqs) == [reqs[0], reqs[1]] and reqs[-1] is reqs[1]
+    assert reqs == list(reqs) and [*reqs] + reqs == [reqs[0], reqs[1], reqs[0], reqs[1]]  # noqa: RUF005 (list + BatchWork)
+    kept: list[dist.Work] = []
+    kept += reqs  # torch code collects the works of several batches in one list
+    assert kept == list(reqs) and reqs.index(reqs[1]) == 1 and reqs[1] in reqs
     for req in reqs:  # torch-style per-request wait
         req.wait(timeout=WAIT)
     assert reqs.is_completed() and reqs.is_success()
-    assert reqs.wait() is True  # waiting again is harmless
-    assert reqs[1].source_rank() == PREV
     np.testing.assert_array_equal(into, np.full(2, PREV * 1.0))
+    into[...] = -1.0
+    reqs.wait(timeout=1e-3)  # waiting again is harmless: done at once, nothing received twice
+    assert reqs.is_success() and reqs.exception() is None
+    assert reqs[1].source_rank() == PREV
+    np.testing.assert_array_equal(into, np.full(2, -1.0))
 
 
 def test_empty_batch() -> None:
     work = dist.batch_isend_irecv([])
     assert isinstance(work, dist.BatchWork) and len(work) == 0
-    assert work.wait() is True and work.is_completed()
+    work.wait(timeout=1e-3)  # nothing to wait for: no timeout
+    assert work.is_completed() and work.is_success() and work.exception() is None
 
 
 def test_many_ops_one_batch_all_pairs() -> None:

@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from arraykinds import ArrayKind
 from fakedevice import FakeAdapter, FakeDeviceArray
-from mpi4py import MPI
+from world import NEXT, PREV, RANK, WAIT, shared
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices
 
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
-NEXT, PREV = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-WAIT = 60.0
-
 pytestmark = pytest.mark.mpi(min_size=1)
 
 
-def test_plan_repeats_the_exchange_with_new_contents() -> None:
+def test_plan_repeats_the_exchange_with_new_contents(kind: ArrayKind) -> None:
+    """numpy buffers wrapped without a copy as each kind: each step sends what numpy holds then, and receives
+    into the numpy buffers."""
     out = np.zeros((4, 6))
     column = np.zeros(4)
     into = np.zeros((4, 2))
     with dist.P2PPlan(
         [
-            dist.P2POp(dist.isend, out[:, 1:3], NEXT, tag=1),  # strided, through an owned datatype
-            dist.P2POp(dist.irecv, into, PREV, tag=1),
-            dist.P2POp(dist.isend, out[:, 5], PREV, tag=2),
-            dist.P2POp(dist.irecv, column, NEXT, tag=2),
+            dist.P2POp(dist.isend, shared(kind, out[:, 1:3]), NEXT, tag=1),  # strided, through an owned datatype
+            dist.P2POp(dist.irecv, shared(kind, into), PREV, tag=1),
+            dist.P2POp(dist.isend, shared(kind, out[:, 5]), PREV, tag=2),
+            dist.P2POp(dist.irecv, shared(kind, column), NEXT, tag=2),
         ]
     ) as plan:
         assert plan.messages == 4
@@ -104,20 +102,25 @@ def test_plan_with_staged_device_tensors(fake: FakeAdapter) -> None:
     assert fake.log.count("to_host") == 3 and fake.log.count("from_host") == 3
 
 
-def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone() -> None:
-    """A strided receive of at least PACK_MIN bytes is packed; only the viewed elements are written."""
+def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone(kind: ArrayKind) -> None:
+    """A strided receive of at least PACK_MIN bytes is packed; only the viewed elements are written.  The columns
+    are numpy views wrapped as each kind (the sent one reversed where the kind has negative strides)."""
     rows = 1100  # a column of 1100 float64 is 8800 bytes
-    out = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) + 10_000 * RANK
+    order = slice(None, None, -1 if kind.negative_strides else 1)
+    base = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)
+    out = base + 10_000 * RANK
     into = np.full((rows, 3), -1.0)
     with dist.P2PPlan(
-        [dist.P2POp(dist.isend, out[::-1, 1], NEXT, tag=3), dist.P2POp(dist.irecv, into[:, 2], PREV, tag=3)]
+        [
+            dist.P2POp(dist.isend, shared(kind, out[order, 1]), NEXT, tag=3),
+            dist.P2POp(dist.irecv, shared(kind, into[:, 2]), PREV, tag=3),
+        ]
     ) as plan:
-        assert all(message.copy is not None for message in plan._messages)
+        assert set(plan.paths) == {"packed"}
         for step in range(2):
-            out += step
+            out[...] = base + 10_000 * RANK + step  # the plan sends what the numpy buffer holds now
             plan.exchange(timeout=WAIT)
-            sent = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)[::-1, 1] + 10_000 * PREV + step
-            np.testing.assert_array_equal(into[:, 2], sent)
+            np.testing.assert_array_equal(into[:, 2], (base + 10_000 * PREV + step)[order, 1])
             np.testing.assert_array_equal(into[:, :2], -1.0)
 
 

@@ -1,4 +1,4 @@
-"""Reliability: a table of bad inputs (each a clear error, nothing posted), stress, threads, random schedules."""
+"""Reliability: cancels, stress, threads and random schedules (the table of bad inputs is in test_rules.py)."""
 
 from __future__ import annotations
 
@@ -19,115 +19,6 @@ import tensorplay_p2p as dist
 from tensorplay_p2p import devices, layouts, work
 
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-def _released() -> memoryview:
-    view = memoryview(bytearray(8))
-    view.release()
-    return view
-
-
-def _readonly() -> np.ndarray:
-    a = np.zeros(4)
-    a.flags.writeable = False
-    return a
-
-
-def _destroyed_group() -> dist.ProcessGroup:
-    g = dist.new_group(list(range(SIZE)))
-    dist.destroy_process_group(g)
-    return g
-
-
-def _completed_work() -> dist.Work:
-    w = dist.isend(np.zeros(1), RANK, tag=999)
-    r = dist.irecv(np.zeros(1), RANK, tag=999)
-    assert w is not None and r is not None
-    r.wait(timeout=WAIT)
-    return w
-
-
-BUF = np.zeros(4)
-TAG_UB = dist.tag_upper_bound()
-P2P = dist.P2POp
-BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
-    ("tensor None", lambda: dist.isend(None, NEXT), TypeError, "isend: expected a tensor, got None"),
-    ("tensor list", lambda: dist.isend([1.0, 2.0], NEXT), TypeError, "got list"),
-    ("tensor str", lambda: dist.isend("abc", NEXT), TypeError, "got str"),
-    ("tensor dict", lambda: dist.irecv({}, PREV), TypeError, "got dict"),
-    ("released buffer", lambda: dist.isend(_released(), NEXT), ValueError, "released memoryview"),
-    ("object dtype", lambda: dist.isend(np.array([None, 1]), NEXT), TypeError, "Python object pointers"),
-    ("receive into bytes", lambda: dist.irecv(b"1234", PREV), ValueError, r"receive buffer \(bytes\) is read-only"),
-    ("receive read-only array", lambda: dist.irecv(_readonly(), PREV), ValueError, "is read-only"),
-    ("receive broadcast view", lambda: dist.irecv(np.broadcast_to(np.zeros(2), (3, 2)), PREV), ValueError, "read-only"),
-    ("dst too large", lambda: dist.isend(BUF, SIZE), ValueError, rf"dst={SIZE} is not a member of group 'WORLD'"),
-    ("dst negative", lambda: dist.isend(BUF, -1), ValueError, "dst=-1 is not a member"),
-    ("src too large", lambda: dist.irecv(BUF, SIZE + 5), ValueError, rf"src={SIZE + 5} is not a member"),
-    ("group_dst out of range", lambda: dist.isend(BUF, group_dst=SIZE), ValueError, "is out of range for group"),
-    ("dst float", lambda: dist.isend(BUF, 1.5), TypeError, "dst must be an int, not float"),  # type: ignore[arg-type]
-    ("dst str", lambda: dist.isend(BUF, "0"), TypeError, "dst must be an int, not str"),  # type: ignore[arg-type]
-    ("dst bool", lambda: dist.isend(BUF, True), TypeError, "dst must be an int, not bool"),
-    ("tag negative", lambda: dist.isend(BUF, NEXT, tag=-1), ValueError, r"tag -1 is outside \[0, "),
-    ("tag too large", lambda: dist.isend(BUF, NEXT, tag=TAG_UB + 1), ValueError, "is outside"),
-    ("tag float", lambda: dist.irecv(BUF, PREV, tag=1.0), TypeError, "tag must be an int, not float"),  # type: ignore[arg-type]
-    ("both peer forms", lambda: dist.isend(BUF, NEXT, group_dst=NEXT), ValueError, "either dst or group_dst, not both"),
-    ("neither peer form", lambda: dist.isend(BUF), ValueError, "one of dst and group_dst must be given"),
-    ("P2POp both", lambda: P2P(dist.isend, BUF, 0, group_peer=0), ValueError, "not both"),
-    ("P2POp neither", lambda: P2P(dist.irecv, BUF), ValueError, "one of peer and group_peer"),
-    ("P2POp op send", lambda: P2P(dist.send, BUF, 0), ValueError, "Invalid ``op``"),  # type: ignore[arg-type]
-    ("P2POp op None", lambda: P2P(None, BUF, 0), ValueError, "Invalid ``op``"),  # type: ignore[arg-type]
-    ("batch of one P2POp", lambda: dist.batch_isend_irecv(P2P(dist.isend, BUF, NEXT)), TypeError, "list of P2POp"),  # type: ignore[arg-type]
-    ("batch with an int", lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF, NEXT), 3]), ValueError, "item 1 is int"),  # type: ignore[list-item]
-    (
-        "batch of two groups",
-        lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF, NEXT), P2P(dist.isend, BUF, 0, group=_destroyed_group())]),
-        RuntimeError,
-        "has been destroyed",
-    ),
-    (
-        "batch receive overlaps",
-        lambda: dist.batch_isend_irecv([P2P(dist.isend, BUF[:3], NEXT), P2P(dist.irecv, BUF[1:], PREV)]),
-        ValueError,
-        "items 0 and 1 share memory",
-    ),
-    ("group not a group", lambda: dist.isend(BUF, NEXT, group="world"), TypeError, "group must be a ProcessGroup"),  # type: ignore[arg-type]
-    (
-        "group from another communicator",
-        lambda: dist.isend(BUF, group=dist.group_from_comm(MPI.COMM_SELF), group_dst=1),
-        ValueError,
-        "group_dst=1 is out of range for group",
-    ),
-    ("destroyed group", lambda: dist.isend(BUF, RANK, group=_destroyed_group()), RuntimeError, "has been destroyed"),
-    ("blocking send to self", lambda: dist.send(BUF, RANK), ValueError, "must not be the rank of the calling process"),
-    (
-        "blocking recv from self",
-        lambda: dist.recv(BUF, RANK),
-        ValueError,
-        "must not be the rank of the calling process",
-    ),
-    ("timeout of the wrong type", lambda: _completed_work().wait(timeout="1s"), TypeError, "timeout must be seconds"),  # type: ignore[arg-type]
-    ("negative timeout", lambda: _completed_work().wait(timeout=-1), ValueError, "timeout must be positive"),
-    ("cancel a send", lambda: dist.isend(BUF, RANK, tag=998).cancel(), dist.CommunicationError, "cannot be cancelled"),  # type: ignore[union-attr]
-    ("halo on a plain group", lambda: dist.HaloExchange(np.zeros((6, 6)), dist.group.WORLD), TypeError, "CartGroup"),  # type: ignore[arg-type]
-    ("new_group duplicate", lambda: dist.new_group([0, 0]), ValueError, "rank 0 appears more than once"),
-    ("init with a wrong world size", lambda: dist.init_process_group(world_size=SIZE + 1), ValueError, "world_size="),
-    ("cart dims too large", lambda: dist.new_cart_group([SIZE + 1]), ValueError, "need"),
-]
-
-
-@pytest.mark.parametrize(("name", "call", "error", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_is_a_clear_error_and_the_job_goes_on(
-    name: str, call: Callable[[], Any], error: type[Exception], message: str
-) -> None:
-    with pytest.raises(error, match=message):
-        call()
-    if name == "cancel a send":  # its message is in flight to self: take it
-        dist.irecv(np.zeros(4), RANK, tag=998).wait(WAIT)  # type: ignore[union-attr]
-    exchange_and_check(tag=5, value=float(len(name)))
-
-
-def test_at_least_thirty_bad_inputs() -> None:
-    assert len(BAD_INPUTS) >= 30
 
 
 def test_cancel_a_pending_receive_frees_its_buffer() -> None:
@@ -195,7 +86,7 @@ def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
     gc.collect()
     growth = _rss_bytes() - before
     assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over {total} exchanges"
-    assert not work._orphans and not layouts._retired and layouts.cache_size() <= 16
+    assert not work.dropped and not layouts.retired and layouts.cache_size() <= 16
     assert devices.staging_pool.in_use == 0
     print(f"rank {RANK}: {total} exchanges in {time.monotonic() - start:.1f} s, RSS growth {growth / 1024:.0f} KiB")
 
@@ -231,10 +122,10 @@ def test_four_threads_per_rank_exchange_concurrently() -> None:
 def test_second_thread_is_refused_when_the_library_is_not_thread_multiple(monkeypatch: pytest.MonkeyPatch) -> None:
     from tensorplay_p2p import validate
 
-    monkeypatch.setattr(validate, "_SINGLE_THREADED", True)
-    monkeypatch.setattr(validate, "_first_thread", threading.get_ident())
+    monkeypatch.setattr(validate, "single_threaded", True)
+    monkeypatch.setattr(validate, "first_thread", threading.get_ident())
     caught: list[BaseException] = []
-    th = threading.Thread(target=lambda: caught.append(_capture(lambda: dist.isend(BUF, RANK))))
+    th = threading.Thread(target=lambda: caught.append(_capture(lambda: dist.isend(np.zeros(4), RANK))))
     th.start()
     th.join()
     assert isinstance(caught[0], RuntimeError) and "needs MPI_THREAD_MULTIPLE" in str(caught[0])

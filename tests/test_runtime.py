@@ -7,12 +7,9 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from world import RANK, SIZE
 
 import tensorplay_p2p as dist
-
-RANK = MPI.COMM_WORLD.Get_rank()
-SIZE = MPI.COMM_WORLD.Get_size()
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -42,18 +39,15 @@ def test_init_is_optional_and_checks_world() -> None:
         dist.init_process_group()
 
 
-def test_init_mismatch_names_both_values() -> None:
+def test_a_refused_init_leaves_the_world_uninitialised() -> None:
+    """A bad argument (the bad-input table in test_rules.py has them all) initialises nothing; a good call then does."""
     with pytest.raises(ValueError, match=rf"world_size={SIZE + 1} but MPI was launched with {SIZE} processes"):
         dist.init_process_group(world_size=SIZE + 1)
-    with pytest.raises(ValueError, match=rf"rank={RANK + 1} but this process is MPI rank {RANK}"):
-        dist.init_process_group(rank=RANK + 1)
-    with pytest.raises(ValueError, match="backend 'gloo' is not supported"):
-        dist.init_process_group(backend="gloo")
     with pytest.raises(TypeError, match="timeout must be seconds"):
         dist.init_process_group(timeout="30")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout must be positive"):
-        dist.init_process_group(timeout=0)
     assert not dist.is_initialized()
+    dist.init_process_group(world_size=SIZE, rank=RANK)
+    assert dist.is_initialized() and dist.get_rank() == RANK
 
 
 def test_use_after_destroy_is_refused_until_init() -> None:

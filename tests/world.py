@@ -1,5 +1,7 @@
 """This rank's place in the world, shared by the test modules, the exchange that proves nothing is left posted,
-and waits that fail instead of hanging (receives cancelled on a timeout)."""
+waits that fail instead of hanging (receives cancelled on a timeout), and numpy buffers shared as each tensor kind.
+
+Every test module takes RANK, SIZE, NEXT, PREV and WAIT from here, so that one bound holds for the whole suite."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from arraykinds import ArrayKind, values
+from arraykinds import ArrayKind, NotZeroCopyError, values
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
@@ -25,6 +27,24 @@ WAIT = 120.0  # seconds; a lost message fails the test instead of hanging the su
 # Any-source receives fail on some MPI set-ups (docs/troubleshooting.md, "Any-source receives that never
 # complete"): when they do, the message is there already, so a short bound reports it in seconds, not after WAIT.
 ANY_SOURCE_WAIT = 30.0
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """``a``, marked read-only (a receive into it must be refused; sending from it is fine)."""
+    a.flags.writeable = False
+    return a
+
+
+def shared(kind: ArrayKind, a: np.ndarray) -> Any:
+    """``a`` as a tensor of ``kind`` that shares its memory (ArrayKind.wrap): what a receive writes into the
+    tensor shows in ``a``, and what the test writes into ``a`` is what the next send sends.  The test is skipped,
+    with the kind's reason, where the kind cannot wrap ``a`` without a copy (the same on every rank)."""
+    if not kind.available:
+        pytest.skip(f"{kind.module} is not installed")
+    try:
+        return kind.wrap(a)
+    except NotZeroCopyError as reason:
+        pytest.skip(str(reason))
 
 
 def exchange_and_check(tag: int, value: float) -> None:

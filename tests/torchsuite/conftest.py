@@ -1,0 +1,44 @@
+"""The torch suite runs when it is named, not with the rest of tests/.
+
+Loading torch's distributed_test.py costs seconds per rank, and the suite has its own section in
+mpirun_scripts/run_tests.sh, so a tree-wide ``pytest tests`` leaves it out.  It is collected when a command
+line names this directory or a file in it (``pytest --with-mpi tests/torchsuite``), or with
+``TP2P_TORCHSUITE=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _inside(path: Path) -> bool:
+    return path == HERE or HERE in path.parents
+
+
+def _named(config: pytest.Config) -> bool:
+    if os.environ.get("TP2P_TORCHSUITE", "") == "1":
+        return True
+    base = config.invocation_params.dir
+    return any(_inside((base / str(arg).split("::")[0]).resolve()) for arg in config.args)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if _inside(collection_path.resolve()) and not _named(config):
+        return True
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _named(config):  # loading distributed_test.py scripts modules with torch.jit, which warns on every use
+        config.addinivalue_line("filterwarnings", r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    import tensorplay_p2p
+
+    return [f"torchsuite: tensorplay_p2p from {os.path.dirname(tensorplay_p2p.__file__)}"]

@@ -1,0 +1,146 @@
+"""torch's own point-to-point tests (torch/testing/_internal/distributed/distributed_test.py) run on tensorplay_p2p.
+
+Each pytest item is one test method of torch's ``DistributedTest._DistTestBase``, run on every rank under
+mpiexec with tensorplay_p2p as its ``dist`` (torchsuite_harness.py says how, torchsuite_shim.py what ``dist``
+holds).  The table below is every point-to-point method of that class, and a few group methods the P2P
+tests build on, each with how it runs here:
+
+* as torch runs it for its CPU backend (``BACKEND="gloo"``), its own skip decorators honoured;
+* as a CPU rendition (``cpu=True``): an NCCL-only test whose body is meaningful on CPU tensors, run
+  unchanged with its NCCL and GPU decorators bypassed and its tensors on the CPU;
+* not at all, with the reason (NCCL profiler variants; tests that need more ranks than the run has).
+
+Known differences from torch.distributed are ``xfail`` with the reason, strict where the failure is exact, so
+that a fix shows up as an XPASS to be taken out of the table.  ``test_table_covers_torch`` fails when the
+installed torch gains a point-to-point test that the table does not list.
+
+    mpiexec -n 4 python -m pytest --with-mpi -q tests/torchsuite
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torchsuite_harness as harness
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+SIZE = harness.SIZE
+NO_SOURCE_RANK = harness.source_rank_missing()
+
+SOURCE_RANK = (
+    "tensorplay_p2p has no Work._source_rank() (torch's name for the sender of a completed any-source irecv; "
+    "the package spells it source_rank()): the test is not run, since the receiver would stop with an "
+    "AttributeError and leave its senders blocked"
+)
+PROFILER = (
+    "tensorplay_p2p records no torch profiler events: torch's process groups record '<backend>:send', "
+    "'<backend>:recv' and '<backend>:recvAnySource' (async, with the tensor's shape), the test finds none"
+)
+ALL_GATHER = "the profiler variant counts the senders with dist.all_gather, a collective tensorplay_p2p lacks"
+GET_BACKEND = (
+    "tensorplay_p2p.get_backend() answers 'mpi' for every group, whatever backend was named; torch answers the "
+    "backend the group was made with (here BACKEND='gloo'); on a non-member torch raises "
+    "ValueError('Invalid process group specified'), the package a ValueError naming the group"
+)
+NCCL_PROFILER = (
+    "not rendered on CPU: the NCCL send/recv body under the profiler; its CPU counterparts are "
+    "test_send_recv_autograd_profiler and test_send_recv_torch_profiler (this one asks for CUDA activity too)"
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One torch test method and how it runs here."""
+
+    name: str
+    cpu: bool = False  # a CPU rendition of an NCCL-only test
+    helpers: tuple[str, ...] = ()  # decorated helper methods the rendition's body calls
+    min_size: int = 1
+    why: str = ""  # why min_size
+    marks: tuple[Any, ...] = field(default=())
+
+
+def _xfail(condition: bool, reason: str, **kwargs: Any) -> tuple[Any, ...]:
+    return (pytest.mark.xfail(condition, reason=reason, strict=True, **kwargs),)
+
+
+def _any_source_profiler() -> tuple[Any, ...]:
+    if SIZE == 1:  # nothing is sent or profiled; the sender count at the end needs all_gather
+        return _xfail(True, ALL_GATHER, raises=NotImplementedError)
+    if NO_SOURCE_RANK:
+        return _xfail(True, SOURCE_RANK, run=False)
+    return _xfail(True, f"{PROFILER}; and {ALL_GATHER}", raises=AssertionError)
+
+
+def _profiler(name: str) -> Case:  # at one rank nothing is sent, and none of the expected events is missing
+    return Case(name, marks=_xfail(SIZE > 1, PROFILER, raises=AssertionError))
+
+
+GROUP_0_1 = "the test makes new_group([0, 1])"
+RANKS_1_2 = "the test exchanges between ranks 1 and 2"
+
+CASES = [
+    # Point-to-point, as torch runs them for its CPU backend.
+    Case("test_send_recv"),
+    Case("test_send_recv_with_tag"),
+    Case("test_send_recv_any_source", marks=_xfail(NO_SOURCE_RANK and SIZE > 1, SOURCE_RANK, run=False)),
+    Case("test_isend"),
+    Case("test_irecv"),
+    Case("test_batch_isend_irecv_gloo"),
+    Case("test_batch_isend_irecv_gloo_tags"),
+    _profiler("test_send_recv_autograd_profiler"),
+    _profiler("test_send_recv_torch_profiler"),
+    _profiler("test_send_recv_with_tag_autograd_profiler"),
+    _profiler("test_send_recv_with_tag_torch_profiler"),
+    _profiler("test_isend_autograd_profiler"),
+    _profiler("test_isend_torch_profiler"),
+    Case("test_send_recv_any_source_autograd_profiler", marks=_any_source_profiler()),
+    Case("test_send_recv_any_source_torch_profiler", marks=_any_source_profiler()),
+    # NCCL-only point-to-point tests, rendered on CPU tensors.
+    Case("test_batch_isend_irecv_nccl", cpu=True),
+    Case("test_batch_isend_irecv_ring_exchange_nccl", cpu=True),
+    Case("test_batch_isend_irecv_self_nccl", cpu=True),
+    Case("test_batch_isend_irecv_no_rank_zero_nccl", cpu=True, min_size=3, why=RANKS_1_2),
+    Case("test_batch_isend_irecv_op_err", cpu=True),
+    Case("test_batch_isend_irecv_op_list_err", cpu=True),
+    Case("test_batch_isend_irecv_mixed_backend_err", cpu=True, min_size=2, why=GROUP_0_1),
+    Case("test_send_recv_nccl", cpu=True, helpers=("_test_send_recv_nccl",)),
+    Case("test_send_recv_nccl_autograd_profiler", marks=(pytest.mark.skip(reason=NCCL_PROFILER),)),
+    Case("test_send_recv_nccl_torch_profiler", marks=(pytest.mark.skip(reason=NCCL_PROFILER),)),
+    # The group calls the point-to-point tests build on.
+    Case("test_get_rank_size_group", min_size=2, why=GROUP_0_1),
+    Case("test_get_rank_size_full_group"),
+    Case("test_destroy_group", min_size=2, why=GROUP_0_1),
+    Case("test_destroy_full_group"),
+    Case("test_get_backend", min_size=2, why=GROUP_0_1, marks=_xfail(True, GET_BACKEND, raises=AssertionError)),
+]
+
+
+def _param(case: Case) -> Any:
+    marks = list(case.marks)
+    if case.min_size > SIZE:
+        marks = [pytest.mark.skip(reason=f"needs at least {case.min_size} ranks: {case.why}")]
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_distributed_test(case: Case, request: pytest.FixtureRequest) -> None:
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    harness.run(case.name, capman, cpu=case.cpu, helpers=case.helpers)
+
+
+def _point_to_point(name: str) -> bool:
+    return any(word in name for word in ("send", "recv", "p2p", "P2P"))
+
+
+def test_table_covers_torch() -> None:
+    """Every point-to-point test method of the installed torch is in the table (a new torch may add some)."""
+    methods = {name for name, _ in inspect.getmembers(harness.TorchTestBase) if name.startswith("test_")}
+    missing = sorted(name for name in methods if _point_to_point(name) and name not in {c.name for c in CASES})
+    assert not missing, f"torch's distributed_test.py has point-to-point tests the table does not list: {missing}"
+    unknown = sorted(c.name for c in CASES if c.name not in methods)
+    assert not unknown, f"the table lists tests the installed torch does not have: {unknown}"
