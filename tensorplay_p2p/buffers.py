@@ -51,6 +51,7 @@ __all__ = [
     "place",
     "release",
     "resolve",
+    "resolvers",
 ]
 
 After = Callable[["Receipt | None", "CommunicationError | None"], "CommunicationError | None"]
@@ -343,18 +344,18 @@ def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
 _STRIDED: Any = None  # torch.strided, looked up once torch is seen
 
 
-_resolvers: dict[type, Callable[[Any, bool, str], Resolved]] = {}
-devices.on_register(_resolvers.clear)
+resolvers: dict[type, Callable[[Any, bool, str], Resolved]] = {}  # package-internal: type → its resolver, filled by
+devices.on_register(resolvers.clear)  # ``resolve``; the posting calls look a type up here before calling ``resolve``
 
 
 def resolve(tensor: Any, writable: bool, what: str) -> Resolved:
     """Resolve ``tensor`` to ``(spec, nbytes, keepalive, after)``; ``writable`` for receive buffers."""
     tp = type(tensor)
-    resolver = _resolvers.get(tp)
+    resolver = resolvers.get(tp)
     if resolver is None:
         if tensor is None:
             raise TypeError(f"{what}: expected a tensor, got None")
-        resolver = _resolvers[tp] = _resolver_for(tensor)
+        resolver = resolvers[tp] = _resolver_for(tensor)
     return resolver(tensor, writable, what)
 
 
@@ -395,12 +396,12 @@ def _overlap_error(what: str, i: int, j: int) -> ValueError:
     )
 
 
-def check_batch(resolved: list[Resolved], receives: list[bool], what: str) -> None:
+def check_batch(resolved: list[Resolved], ops: list[tuple[bool, int, int, int]], what: str) -> None:
     """ValueError if a receive buffer of a batch shares memory with another op's buffer (``check_disjoint`` over
-    resolved buffers, with the common exchange of two contiguous buffers decided at once)."""
-    if True not in receives:
-        return
+    resolved buffers, ``ops`` starting with whether each is a receive; two contiguous buffers decided at once)."""
     if len(resolved) == 2:
+        if not (ops[0][0] or ops[1][0]):
+            return  # two sends may share memory
         (spec, count, keep, _), (spec2, count2, keep2, _) = resolved
         if spec[2] is _BYTE and spec2[2] is _BYTE and type(keep) is not Packed and type(keep2) is not Packed:
             buf, buf2 = spec[0], spec2[0]
@@ -417,7 +418,7 @@ def check_batch(resolved: list[Resolved], receives: list[bool], what: str) -> No
     check_disjoint(
         [
             (r, keep.region if type(keep) is Packed else spec)
-            for r, (spec, _, keep, _) in zip(receives, resolved, strict=True)
+            for (r, _, _, _), (spec, _, keep, _) in zip(ops, resolved, strict=True)
         ],
         what,
     )

@@ -55,7 +55,7 @@ def _steps() -> dict[str, Step]:
 
     def overlap(n: int) -> None:
         for _ in range(n):
-            buffers.check_batch(resolved, [True, False], "profile")
+            buffers.check_batch(resolved, entries, "profile")
 
     def post_wait(n: int) -> None:
         for _ in range(n):

@@ -31,6 +31,7 @@ _Status = MPI.Status
 _WORLD = GroupMember.WORLD
 _WORLD_SIZE = MPI.COMM_WORLD.Get_size()
 _resolve = buffers.resolve
+_lookup = buffers.resolvers.get
 
 
 def _world_rank(peer: object, group: object, group_peer: object, tag: object) -> int:
@@ -58,15 +59,21 @@ def _world_peer(peer: object, group: object, group_peer: object, tag: object, wh
 
 def _buffer(tensor: Any, receive: bool, what: str) -> buffers.Resolved:
     """The resolved buffer of one op, with checked mode's header when it is on."""
-    resolved = _resolve(tensor, receive, what)
+    resolver = _lookup(type(tensor))
+    resolved = (resolver or _resolve)(tensor, receive, what)
     if state.checked:
         resolved = checked.wrap(resolved, tensor, not receive)
     return resolved
 
 
 def _post(pg: ProcessGroup, receive: bool, tensor: Any, peer: int, tag: int, what: str) -> Work:
+    """Resolve ``tensor`` (``_buffer``, made lean) and post the op."""
     try:
-        return Work(pg, receive, peer, tag, _buffer(tensor, receive, what), what)
+        resolver = _lookup(type(tensor))
+        resolved = (resolver or _resolve)(tensor, receive, what)
+        if state.checked:
+            resolved = checked.wrap(resolved, tensor, not receive)
+        return Work(pg, receive, peer, tag, resolved, what)
     finally:
         if layouts.retired:  # datatypes evicted from the cache while this op was prepared: free them now
             layouts.release_retired()
@@ -76,9 +83,17 @@ def isend(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst`` (rank in ``group``) without blocking."""
-    peer = _world_peer(dst, group, group_dst, tag, "isend")
-    if peer >= 0:
-        return _post(_WORLD, False, tensor, peer, tag, "isend")
+    if (  # the common case, checked at once (``_world_rank``, made lean)
+        group is None
+        and group_dst is None
+        and type(dst) is int
+        and type(tag) is int
+        and 0 <= dst < _WORLD_SIZE
+        and 0 <= tag <= TAG_UB
+        and _WORLD.communicator is not None
+        and not validate.single_threaded
+    ):
+        return _post(_WORLD, False, tensor, dst, tag, "isend")
     pg = member_group(group, "isend")
     if pg is None:
         return None
@@ -90,9 +105,17 @@ def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
     """Receive into ``tensor`` from ``src``/``group_src`` (any source if neither) without blocking."""
-    peer = _world_peer(src, group, group_src, tag, "irecv")
-    if peer >= 0:
-        return _post(_WORLD, True, tensor, peer, tag, "irecv")
+    if (  # the common case, checked at once (``_world_rank``, made lean)
+        group is None
+        and group_src is None
+        and type(src) is int
+        and type(tag) is int
+        and 0 <= src < _WORLD_SIZE
+        and 0 <= tag <= TAG_UB
+        and _WORLD.communicator is not None
+        and not validate.single_threaded
+    ):
+        return _post(_WORLD, True, tensor, src, tag, "irecv")
     pg = member_group(group, "irecv")
     if pg is None:
         return None
@@ -335,25 +358,39 @@ def _batch_item_error(p2p_op_list: Sequence[P2POp], group: ProcessGroup | None) 
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
     """Post every op, in order, after checking them all; returns one BatchWork completed by a single Waitall."""
-    if not p2p_op_list and isinstance(p2p_op_list, Sequence):
+    if type(p2p_op_list) is not list:
+        if not p2p_op_list and isinstance(p2p_op_list, Sequence) and not isinstance(p2p_op_list, (str, bytes)):
+            return BatchWork()
+        batch_group(p2p_op_list, _BATCH)  # raises for anything but a sequence of P2POps
+    elif not p2p_op_list:
         return BatchWork()
-    pg = batch_group(p2p_op_list, "batch_isend_irecv")
-    if pg is None:
-        return BatchWork()
+    first = p2p_op_list[0]
+    group = first[3] if type(first) is P2POp else None
+    if group is None and _WORLD.communicator is not None and not validate.single_threaded:
+        pg: ProcessGroup | None = _WORLD  # the world, usable from this thread: the loop below checks the rest
+    else:
+        pg = batch_group(p2p_op_list, _BATCH)
+        if pg is None:
+            return BatchWork()
     ops: list[tuple[bool, int, int, int]] = []
     resolved: list[buffers.Resolved] = []
+    lookup = buffers.resolvers.get
     try:
-        try:
-            for p2p in p2p_op_list:  # plain loop: this runs on every batch
-                receive = p2p[0] is irecv
-                buffer = _resolve(p2p[1], receive, "batch_isend_irecv")
-                resolved.append(buffer)
-                ops.append((receive, p2p[5], p2p[4], buffer[1]))
-        except Exception:
-            _reword(p2p_op_list[len(resolved)], len(resolved), resolved)
-            raise
+        for p2p in p2p_op_list:  # plain loop: this runs on every batch
+            if type(p2p) is not P2POp or p2p[3] is not group:
+                _batch_item_error(p2p_op_list, group)
+            receive = p2p[0] is irecv
+            tensor = p2p[1]
+            resolver = lookup(type(tensor))
+            try:
+                buffer = (resolver or _resolve)(tensor, receive, _BATCH)
+            except Exception:
+                _reword(p2p, len(resolved), resolved)
+                raise
+            resolved.append(buffer)
+            ops.append((receive, p2p[5], p2p[4], buffer[1]))
         if len(resolved) > 1:
-            buffers.check_batch(resolved, [op[0] for op in ops], "batch_isend_irecv")
+            buffers.check_batch(resolved, ops, _BATCH)
         if state.checked:
             for i, (receive, _, _, _) in enumerate(ops):
                 resolved[i] = checked.wrap(resolved[i], p2p_op_list[i][1], not receive)
@@ -363,10 +400,13 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
             layouts.release_retired()
         raise
     try:
-        return BatchWork(pg, ops, resolved, "batch_isend_irecv")  # on a failed post it releases what it holds
+        return BatchWork(pg, ops, resolved, _BATCH)  # on a failed post it releases what it holds
     finally:
         if layouts.retired:  # datatypes evicted while the batch was prepared: free them now that it is posted
             layouts.release_retired()
+
+
+_BATCH = "batch_isend_irecv"
 
 
 def _reword(p2p: P2POp, i: int, resolved: list[buffers.Resolved]) -> None:

@@ -55,11 +55,6 @@ class Receipt(NamedTuple):
     source: int  # global rank of a receive's sender, -1 if unknown
 
 
-def post(comm: MPI.Intracomm, receive: bool, spec: Any, peer: int, tag: int) -> MPI.Request:
-    """The one MPI call of an op: ``Irecv`` or ``Isend``."""
-    return comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag)
-
-
 def settle(after: Any, receipt: Receipt, error: CommunicationError | None) -> CommunicationError | None:
     """Run an op's after-hook; a hook that raises turns into the op's error (it is never left half-finished)."""
     try:
@@ -175,15 +170,15 @@ class Work:
         self._tag = tag
         self._exception: CommunicationError | None = None
         self._source = -1
-        self._request = _REQUEST_NULL
-        self._state = _FAILED  # never pending until a request exists
+        self._state = _FAILED  # never pending until a request exists (``_request`` is set by posting or settling)
         self.posted = time.monotonic()
         if what is None:
             return
         if dropped:
             reap_dropped()
+        comm = group.communicator
         try:
-            self._request = post(group.communicator, receive, spec, peer, tag)  # type: ignore[arg-type]
+            self._request = comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
         except MPI.Exception as exc:
             error = errors.posting_error(what, receive, group, peer, tag, exc)
             self._settle(error)
@@ -216,6 +211,18 @@ class Work:
                 except MPI.Exception as exc:
                     self.fail(exc.Get_error_code(), status)
                 else:
+                    if self._after is None:  # ``complete`` made lean: at most a size to check
+                        if status is not None and (source := status.Get_source()) != _PROC_NULL:
+                            self._source = self._group.global_of[source]
+                            if status.Get_count(_BYTE) != self._nbytes:
+                                self.complete(status)  # words the error
+                                raise self._exception  # type: ignore[misc]
+                        self._request = _REQUEST_NULL
+                        self._keep = None
+                        self._state = _DONE
+                        if watchdog.active:
+                            watchdog.untrack(self)
+                        return True
                     self.complete(status)
             else:
                 limit = seconds(timeout, "timeout")
@@ -355,7 +362,7 @@ class BatchWork(Sequence[Work]):
     only what completing it needs: the requests and, per op, its peer, tag, size and buffer.
     """
 
-    __slots__ = ("_group", "_ops", "_requests", "_resolved", "_state", "_works", "posted")
+    __slots__ = ("_group", "_hooks", "_ops", "_requests", "_resolved", "_state", "_works", "posted")
 
     def __init__(
         self,
@@ -373,6 +380,7 @@ class BatchWork(Sequence[Work]):
         self._requests: list[MPI.Request] = []
         self.posted = time.monotonic()
         self._state = _DONE
+        self._hooks = False  # whether some op has an after-hook
         if not ops:
             return
         assert group is not None
@@ -380,17 +388,23 @@ class BatchWork(Sequence[Work]):
             reap_dropped()
         comm = group.communicator
         requests = self._requests
+        hooks = False
         try:
-            for (receive, peer, tag, _), (spec, _, _, _) in zip(ops, resolved, strict=True):  # plain loop: every batch
+            for (receive, peer, tag, _), (spec, _, _, after) in zip(
+                ops, resolved, strict=True
+            ):  # plain loop: every batch
                 requests.append(
                     comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
                 )
+                if after is not None:
+                    hooks = True
         except MPI.Exception as exc:
             raise self._withdraw(what, exc) from exc
         except BaseException:
             self._withdraw(what, None)
             raise
         self._state = _PENDING
+        self._hooks = hooks
         if watchdog.active:
             watchdog.track(self)
 
@@ -489,17 +503,30 @@ class BatchWork(Sequence[Work]):
         """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
         if self._works is None and timeout is None:
             if self._state == _PENDING:
-                spare = _statuses.get(len(self._requests))
+                requests = self._requests
+                spare = _statuses.get(len(requests))
                 statuses = spare.pop() if spare else []  # mpi4py fills the Status objects it is given in place
                 try:
-                    _Waitall(self._requests, statuses)
+                    _Waitall(requests, statuses)
                 except MPI.Exception as exc:
                     self._wait_works(exc, statuses)  # these statuses are not reused
                 else:
-                    self._complete(statuses)
+                    plain = not self._hooks  # ``_complete`` made lean: only the receives' sizes to check
+                    if plain:
+                        for (receive, peer, _, nbytes), status in zip(self._ops, statuses, strict=True):
+                            if receive and (peer < 0 or status.Get_count(_BYTE) != nbytes):
+                                plain = False  # PROC_NULL, any source or a size error
+                                break
+                    if plain:
+                        self._state = _DONE
+                        self._resolved = ()  # release the buffers
+                        if watchdog.active:
+                            watchdog.untrack(self)
+                    else:
+                        self._complete(statuses)
                     if spare is None:
-                        spare = _statuses[len(statuses)] = []
-                    if len(spare) < 4:
+                        _statuses[len(statuses)] = [statuses]
+                    elif len(spare) < 4:
                         spare.append(statuses)
             if self._works is None:
                 return True

@@ -32,9 +32,9 @@ SIZE = harness.SIZE
 NO_SOURCE_RANK = harness.source_rank_missing()
 
 SOURCE_RANK = (
-    "tensorplay_p2p has no Work._source_rank() (torch's name for the sender of a completed any-source irecv; "
-    "the package spells it source_rank()): the test is not run, since the receiver would stop with an "
-    "AttributeError and leave its senders blocked"
+    "tensorplay_p2p has no Work._source_rank() (torch's: the sender's group rank after an any-source irecv; the "
+    "package has source_rank(), a global rank): not run, since the receiver would stop with an AttributeError "
+    "and leave its senders blocked"
 )
 PROFILER = (
     "tensorplay_p2p records no torch profiler events: torch's process groups record '<backend>:send', "
