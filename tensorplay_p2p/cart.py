@@ -125,6 +125,7 @@ def new_cart_group(
     if cart == MPI.COMM_NULL:
         return GroupMember.NON_GROUP_MEMBER  # type: ignore[return-value]
     pg = CartGroup(cart, f"cart{next(_cart_names)}({'x'.join(map(str, wanted))})")
+    pg.backend = parent.backend
     groups.created.append(pg)
     return pg
 

@@ -16,6 +16,7 @@ __all__ = [
     "MessageMismatchError",
     "MessageSizeError",
     "batch_failures",
+    "describe_message",
     "describe_op",
     "exchange_size_error",
     "failure",
@@ -102,6 +103,24 @@ def describe_op(receive: bool, group: _Group, peer: int, tag: int, nbytes: int, 
     pending = "" if waited is None else f", pending for {waited:.1f} s"
     direction = "from" if receive else "to"
     return f"{verb(receive)} {direction} {text}, tag {tag}, {nbytes} bytes, group {group.name!r}{pending}"
+
+
+def describe_message(
+    what: str,
+    receive: bool,
+    group: _Group,
+    peer: int,
+    tag: int,
+    nbytes: int,
+    label: str,
+    waited: float | None,
+) -> str:
+    """One line naming a persistent exchange's message (``waited`` None: a step whose start was not timed)."""
+    pending = "pending" if waited is None else f"pending for {waited:.1f} s"
+    return (
+        f"{what}: {verb(receive)} {'from' if receive else 'to'} {group.peer_text(peer)} (group rank {peer}), "
+        f"tag {tag}, {nbytes} bytes, {label}, group {group.name!r}, {pending}"
+    )
 
 
 def posting_error(what: str, receive: bool, group: _Group, peer: int, tag: int, exc: Any) -> CommunicationError:

@@ -30,7 +30,13 @@ _names = itertools.count(1)
 
 
 class ProcessGroup:
-    """A set of ranks bound to one MPI intracommunicator, with rank translation computed once."""
+    """A set of ranks bound to one MPI intracommunicator, with rank translation computed once.
+
+    Package-internal attributes (read by the other modules, written only here): ``communicator``, the
+    intracommunicator (None for a non-member or a destroyed group); ``global_of``, the global rank of each
+    group rank; ``group_of``, the group rank of each member's global rank; ``backend``, the torch backend
+    name the group was made with (``get_backend`` answers it; the group runs on MPI whatever it is).
+    """
 
     proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
 
@@ -41,6 +47,7 @@ class ProcessGroup:
         "_owns_comm",
         "_rank",
         "_size",
+        "backend",
         "communicator",
         "global_of",
         "group_of",
@@ -48,6 +55,7 @@ class ProcessGroup:
 
     def __init__(self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False) -> None:
         self._name = name
+        self.backend = "mpi"
         self._owns_comm = owns_comm
         self._destroyed = False
         self.communicator: MPI.Intracomm | None = None
@@ -234,13 +242,14 @@ TORCH_BACKENDS = frozenset({"mpi", "gloo", "nccl", "ucc", "xccl"})  # torch's na
 _DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "hpu", "mps", "meta"})
 
 
-def check_backend(backend: object, what: str) -> None:
-    """ValueError unless ``backend`` is None or a torch backend string (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...).
+def check_backend(backend: object, what: str) -> str | None:
+    """``backend`` in lower case (None for None); ValueError unless it is a torch backend string (``"gloo"``,
+    ``"cpu:gloo,cuda:nccl"``, ...).
 
     Code ported from torch names a backend per group; here every group is an MPI communicator, whatever the name.
     """
     if backend is None:
-        return
+        return None
     if not isinstance(backend, str):
         raise TypeError(f"{what}: backend must be a string or None, not {type(backend).__name__}")
     for part in backend.lower().split(","):
@@ -251,6 +260,7 @@ def check_backend(backend: object, what: str) -> None:
             f"{what}: backend {backend!r} is not a torch.distributed backend name; use 'mpi', 'gloo', 'nccl', "
             "'ucc', a 'device:backend' list such as 'cpu:gloo,cuda:nccl', or None (every group runs on MPI)"
         )
+    return backend.strip().lower()
 
 
 def _world_ranks(ranks: Iterable[object], what: str) -> list[int]:
@@ -285,7 +295,7 @@ def new_group(
     Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
     non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
     """
-    check_backend(backend, "new_group")
+    named = check_backend(backend, "new_group") or GroupMember.WORLD.backend
     world = GroupMember.WORLD.live_comm("new_group")
     members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks")
     name = group_desc or f"group{next(_names)}"
@@ -300,7 +310,9 @@ def new_group(
         comm = world.Create_group(sub, _CREATE_GROUP_TAG)
     finally:
         sub.Free()
-    return _register(comm, name)
+    pg = _register(comm, name)
+    pg.backend = named
+    return pg
 
 
 def new_subgroups_by_enumeration(
@@ -315,7 +327,7 @@ def new_subgroups_by_enumeration(
     Returns ``(the caller's group or None, one entry per list)``; entries for groups the
     caller is not in are ``GroupMember.NON_GROUP_MEMBER``.
     """
-    check_backend(backend, "new_subgroups_by_enumeration")
+    named = check_backend(backend, "new_subgroups_by_enumeration") or GroupMember.WORLD.backend
     world = GroupMember.WORLD.live_comm("new_subgroups_by_enumeration")
     if isinstance(ranks_per_subgroup_list, (str, bytes)) or not isinstance(ranks_per_subgroup_list, Sequence):
         raise TypeError("ranks_per_subgroup_list must be a list of lists of global ranks")
@@ -337,6 +349,7 @@ def new_subgroups_by_enumeration(
     if color == MPI.UNDEFINED:
         return None, [GroupMember.NON_GROUP_MEMBER] * len(lists)
     mine = _register(comm, f"{base}.{color}")
+    mine.backend = named
     subgroups = [mine if i == color else GroupMember.NON_GROUP_MEMBER for i in range(len(lists))]
     return mine, subgroups
 

@@ -300,11 +300,9 @@ class PersistentExchange:
         return [self._describe(m, now) + " (this step)" for m in self._messages]
 
     def _describe(self, message: _Message, now: float | None) -> str:
-        verb, direction = ("irecv", "from") if message.receive else ("isend", "to")
-        waited = "pending" if now is None else f"pending for {now - self.posted:.1f} s"
-        return (
-            f"{self._what}: {verb} {direction} {self._group.peer_text(message.peer)} (group rank {message.peer}), "
-            f"tag {message.tag}, {message.nbytes} bytes, {message.label}, group {self._group.name!r}, {waited}"
+        waited = None if now is None else now - self.posted
+        return errors.describe_message(
+            self._what, message.receive, self._group, message.peer, message.tag, message.nbytes, message.label, waited
         )
 
     # --- life cycle ------------------------------------------------------------------------

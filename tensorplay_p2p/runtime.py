@@ -108,7 +108,7 @@ def init_process_group(
     mode on or off (default: the ``TENSORPLAY_P2P_CHECK`` environment variable); every rank
     must use the same mode.
     """
-    groups.check_backend(backend, "init_process_group")
+    named = groups.check_backend(backend, "init_process_group") or "mpi"
     limit = seconds(timeout, "timeout")
     mpi_size, mpi_rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     world_size = groups.to_int(world_size, "world_size")
@@ -122,6 +122,7 @@ def init_process_group(
     if GroupMember.WORLD.communicator is None:
         groups.revive_world()
     state.initialized = True
+    GroupMember.WORLD.backend = named
     state.timeout = limit
     if limit is not None:
         watchdog.enable(limit)
@@ -157,9 +158,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    """Always ``"mpi"``; ValueError for a group the caller is not in."""
+    """The backend name the group was made with: ``"mpi"`` unless a torch name was given (every group runs on
+    MPI whatever it is); ValueError for a group the caller is not in."""
     pg = groups.resolve_group(group)
     if not pg.is_member:
-        raise ValueError(f"get_backend: {pg.describe()}")
+        raise ValueError(f"get_backend: Invalid process group specified: {pg.describe()}")
     pg.live_comm("get_backend")
-    return "mpi"
+    return pg.backend

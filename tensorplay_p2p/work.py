@@ -55,7 +55,7 @@ class Receipt(NamedTuple):
     source: int  # global rank of a receive's sender, -1 if unknown
 
 
-def settle(after: Any, receipt: Receipt, error: CommunicationError | None) -> CommunicationError | None:
+def _run_after(after: Any, receipt: Receipt, error: CommunicationError | None) -> CommunicationError | None:
     """Run an op's after-hook; a hook that raises turns into the op's error (it is never left half-finished)."""
     try:
         result: CommunicationError | None = after(receipt, error)
@@ -310,7 +310,7 @@ class Work:
         after, self._after = self._after, None
         if after is not None:
             receipt = Receipt(self._receive, self._group, self._peer, self._tag, self._nbytes, self._source)
-            error = settle(after, receipt, error)
+            error = _run_after(after, receipt, error)
         self._keep = None
         self._exception = error
         self._state = _DONE if error is None else _FAILED
@@ -559,7 +559,7 @@ class BatchWork(Sequence[Work]):
                         error = errors.size_error(source, status.Get_tag(), nbytes, received)
                 if after is not None:
                     receipt = Receipt(receive, group, peer, tag, nbytes, source)  # type: ignore[arg-type]
-                    error = settle(after, receipt, error)
+                    error = _run_after(after, receipt, error)
                 if error is not None or peer == _ANY_SOURCE:
                     if outcomes is None:
                         outcomes = {}

@@ -253,3 +253,16 @@ def test_mpi4py_interop_on_world() -> None:
     dist.isend(np.full(3, RANK, dtype=np.int32), NEXT, tag=77).wait(timeout=WAIT)  # type: ignore[union-attr]
     req.Wait()
     np.testing.assert_array_equal(into, np.full(3, PREV, dtype=np.int32))
+
+
+def test_p2pop_compares_by_identity_and_copies() -> None:
+    import copy
+
+    buf = np.zeros(2)
+    op = dist.P2POp(dist.isend, buf, NEXT, tag=3)
+    twin = dist.P2POp(dist.isend, buf, NEXT, tag=3)
+    assert op == op and op != twin and len({op, twin}) == 2  # as torch's: no elementwise tensor comparison
+    clone = copy.copy(op)
+    assert (clone.op, clone.tensor, clone.peer, clone.group_peer, clone.tag) == (dist.isend, buf, NEXT, NEXT, 3)
+    with pytest.raises(AttributeError, match="P2POp is immutable"):
+        op.tag = 4  # type: ignore[misc]

@@ -75,3 +75,26 @@ def test_use_after_destroy_is_refused_until_init() -> None:
     assert into[0] == 1.0
     with pytest.raises(RuntimeError, match="has been destroyed"):
         dist.isend(np.zeros(1), RANK, group=g)  # subgroups stay destroyed
+
+
+def test_get_backend_answers_the_name_each_group_was_made_with() -> None:
+    dist.init_process_group("NCCL")  # torch's names, in any case; every group still runs on MPI
+    assert dist.get_backend() == dist.get_backend(dist.group.WORLD) == "nccl"
+    side = dist.new_group(backend="gloo")
+    inherits = dist.new_group()
+    mixed, _ = dist.new_subgroups_by_enumeration([list(range(SIZE))], backend="cpu:gloo,cuda:nccl")
+    cart = dist.new_cart_group([SIZE], group=side)
+    assert (dist.get_backend(side), dist.get_backend(inherits), dist.get_backend(mixed)) == (
+        "gloo",
+        "nccl",
+        "cpu:gloo,cuda:nccl",
+    )
+    assert dist.get_backend(cart) == "gloo" and side.comm.allreduce(1) == SIZE
+    if SIZE > 1:
+        lone = dist.new_group([0], backend="gloo")
+        if RANK != 0:
+            with pytest.raises(ValueError, match="Invalid process group specified"):
+                dist.get_backend(lone)
+    dist.destroy_process_group()
+    dist.init_process_group()
+    assert dist.get_backend() == "mpi"

@@ -41,11 +41,6 @@ PROFILER = (
     "'<backend>:recv' and '<backend>:recvAnySource' (async, with the tensor's shape), the test finds none"
 )
 ALL_GATHER = "the profiler variant counts the senders with dist.all_gather, a collective tensorplay_p2p lacks"
-GET_BACKEND = (
-    "tensorplay_p2p.get_backend() answers 'mpi' for every group, whatever backend was named; torch answers the "
-    "backend the group was made with (here BACKEND='gloo'); on a non-member torch raises "
-    "ValueError('Invalid process group specified'), the package a ValueError naming the group"
-)
 NCCL_PROFILER = (
     "not rendered on CPU: the NCCL send/recv body under the profiler; its CPU counterparts are "
     "test_send_recv_autograd_profiler and test_send_recv_torch_profiler (this one asks for CUDA activity too)"
@@ -116,7 +111,7 @@ CASES = [
     Case("test_get_rank_size_full_group"),
     Case("test_destroy_group", min_size=2, why=GROUP_0_1),
     Case("test_destroy_full_group"),
-    Case("test_get_backend", min_size=2, why=GROUP_0_1, marks=_xfail(True, GET_BACKEND, raises=AssertionError)),
+    Case("test_get_backend", min_size=2, why=GROUP_0_1),
 ]
 
 
