@@ -67,13 +67,9 @@ def _buffer(tensor: Any, receive: bool, what: str) -> buffers.Resolved:
 
 
 def _post(pg: ProcessGroup, receive: bool, tensor: Any, peer: int, tag: int, what: str) -> Work:
-    """Resolve ``tensor`` (``_buffer``, made lean) and post the op."""
+    """Resolve ``tensor`` and post the op."""
     try:
-        resolver = _lookup(type(tensor))
-        resolved = (resolver or _resolve)(tensor, receive, what)
-        if state.checked:
-            resolved = checked.wrap(resolved, tensor, not receive)
-        return Work(pg, receive, peer, tag, resolved, what)
+        return Work(pg, receive, peer, tag, _buffer(tensor, receive, what), what)
     finally:
         if layouts.retired:  # datatypes evicted from the cache while this op was prepared: free them now
             layouts.release_retired()
@@ -83,17 +79,9 @@ def isend(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst`` (rank in ``group``) without blocking."""
-    if (  # the common case, checked at once (``_world_rank``, made lean)
-        group is None
-        and group_dst is None
-        and type(dst) is int
-        and type(tag) is int
-        and 0 <= dst < _WORLD_SIZE
-        and 0 <= tag <= TAG_UB
-        and _WORLD.communicator is not None
-        and not validate.single_threaded
-    ):
-        return _post(_WORLD, False, tensor, dst, tag, "isend")
+    peer = _world_peer(dst, group, group_dst, tag, "isend")
+    if peer >= 0:
+        return _post(_WORLD, False, tensor, peer, tag, "isend")
     pg = member_group(group, "isend")
     if pg is None:
         return None
@@ -105,17 +93,9 @@ def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
     """Receive into ``tensor`` from ``src``/``group_src`` (any source if neither) without blocking."""
-    if (  # the common case, checked at once (``_world_rank``, made lean)
-        group is None
-        and group_src is None
-        and type(src) is int
-        and type(tag) is int
-        and 0 <= src < _WORLD_SIZE
-        and 0 <= tag <= TAG_UB
-        and _WORLD.communicator is not None
-        and not validate.single_threaded
-    ):
-        return _post(_WORLD, True, tensor, src, tag, "irecv")
+    peer = _world_peer(src, group, group_src, tag, "irecv")
+    if peer >= 0:
+        return _post(_WORLD, True, tensor, peer, tag, "irecv")
     pg = member_group(group, "irecv")
     if pg is None:
         return None
