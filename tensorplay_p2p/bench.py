@@ -2,11 +2,13 @@
 
     mpiexec -n 2 python -m tensorplay_p2p.bench [--patterns exchange,bw] [--quick] [--out DIR]
     python -m tensorplay_p2p.bench --profile    # where one batch_isend_irecv's time goes (see costs)
+    python -m tensorplay_p2p.bench --merge DIR DIR --out DIR  # one report of runs on the two engines
 
 Every pattern is measured for each implementation in the same run, interleaved: the timed
-iterations are split into blocks and the implementations take turns block by block (in a
-rotating order), so machine drift hits them all alike.  A block's time is the slowest rank's;
-the figure reported is the median over blocks.  Patterns (after the OSU micro-benchmarks):
+iterations are split into blocks and the implementations take turns block by block (in an
+order shuffled each block, the same on every rank), so machine drift hits them all alike.  A
+block's time is the slowest rank's; the figure reported is the median over blocks.  Patterns
+(after the OSU micro-benchmarks):
 
 - ``latency``: blocking ping-pong, half the round trip (osu_latency)
 - ``bw``: a window of 64 nonblocking sends, completed, then a 4-byte ack (osu_bw)
@@ -17,6 +19,11 @@ the figure reported is the median over blocks.  Patterns (after the OSU micro-be
 - ``batch``: ``batch_isend_irecv`` of k ops (k/2 sends, k/2 receives) with a peer
 - ``exchange``: the symmetric exchange (receive + send to the peer, wait for both), the small-message latency test
 - ``halo2d``, ``halo3d``: one halo-exchange step on a periodic Cartesian grid; size is the interior edge
+
+The tensorplay series run on the engine this process has (``tensorplay_p2p.engine``; set
+``TENSORPLAY_P2P_ACCEL=0`` for the pure-Python one).  To put both engines side by side, run once
+on each with ``--out``, then ``--merge`` the two directories: tensorplay's series are named by
+engine, each with its ratios to the raw mpi4py and gloo of its own run.
 
 torch is imported only when the gloo implementation is used.
 """
@@ -30,12 +37,13 @@ import json
 import math
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -45,7 +53,7 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 import tensorplay_p2p as tp
-from tensorplay_p2p import costs
+from tensorplay_p2p import costs, engine
 
 __all__ = ["IMPLS", "PATTERNS", "Config", "Result", "main", "parse_args", "run"]
 
@@ -62,9 +70,11 @@ IMPLS = ("tensorplay", "mpi4py", "gloo")
 SERIES_COLORS = {
     "tensorplay": "tab:blue",
     "tensorplay[isend]": "tab:purple",
+    "tensorplay[plan]": "tab:cyan",
     "mpi4py": "tab:orange",
     "gloo": "tab:green",
 }
+ENGINE_STYLES = {"compiled": "-", "python": "--"}  # merged runs: a series' line style says its engine
 
 # The package's isend/irecv return None only for non-members; the world group always has this rank.
 tp_isend = cast("Callable[..., tp.Work]", tp.isend)
@@ -165,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the patterns: where the time of one batch_isend_irecv goes, step by step (rank 0)",
     )
     add("--out", type=Path, default=None, metavar="DIR", help="write results.json, results.csv and results.png here")
+    add(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="instead of measuring: one report of earlier runs' results.json (one run per engine), tensorplay's "
+        "series named by engine; with --out, write it there",
+    )
     add("--no-plot", action="store_true", help="do not draw results.png")
     add(
         "--gloo-timeout",
@@ -1019,10 +1038,12 @@ def setting_for(ctx: Context, pattern: Pattern, size: int) -> Setting | None:
     return Setting(ctx, size, peer=rank + pairs if leader else rank - pairs, leader=leader, pairs=pairs)
 
 
-def rotated(items: list[tuple[str, Loop]], by: int) -> list[tuple[str, Loop]]:
-    """The list started at position ``by`` (mod its length), wrapping round."""
-    k = by % len(items)
-    return items[k:] + items[:k]
+def shuffled(items: list[tuple[str, Loop]], block: int) -> list[tuple[str, Loop]]:
+    """Block ``block``'s order of the loops: a different one each block, the same on every rank (seeded), so that no
+    loop always runs right after the same other (gloo's threads slow down what follows them)."""
+    order = list(items)
+    random.Random(block).shuffle(order)
+    return order
 
 
 def time_interleaved(loops: list[tuple[str, Loop]], iterations: int, warmup: int, reps: int) -> dict[str, list[float]]:
@@ -1034,7 +1055,7 @@ def time_interleaved(loops: list[tuple[str, Loop]], iterations: int, warmup: int
     per_block = iterations // blocks
     seconds: dict[str, list[float]] = {name: [] for name, _ in loops}
     for block in range(blocks):
-        for name, loop in rotated(loops, block):
+        for name, loop in shuffled(loops, block):
             COMM.Barrier()
             seconds[name].append(loop.run(per_block) / per_block)
     return seconds
@@ -1243,6 +1264,8 @@ def describe_run(config: Config, argv: Sequence[str] | None) -> dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "tensorplay_p2p": tp.__version__,
+        "engine": engine.name,
+        "engine_reason": engine.reason,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
     }
 
@@ -1289,7 +1312,16 @@ def plot_pattern(ax: Any, pattern: Pattern, rows: list[Result]) -> None:
     for name in dict.fromkeys(r.series for r in rows):
         mine = [r for r in rows if r.series == name]
         sizes, figures = [r.size for r in mine], [headline(pattern, r) for r in mine]
-        ax.plot(sizes, figures, marker="o", markersize=3, label=name, color=SERIES_COLORS.get(name))
+        series, _, engine_name = name.partition(" (")
+        ax.plot(
+            sizes,
+            figures,
+            marker="o",
+            markersize=3,
+            label=name,
+            color=SERIES_COLORS.get(series),
+            linestyle=ENGINE_STYLES.get(engine_name.rstrip(")"), "-"),
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"interior edge (cells, {pattern.ndim}-D)" if pattern.ndim else "message size (bytes)")
@@ -1310,6 +1342,23 @@ def write_outputs(out: Path, meta: dict[str, Any], results: list[Result], plot: 
     return written
 
 
+def merge(directories: Sequence[Path]) -> tuple[dict[str, Any], list[Result]]:
+    """Runs on different engines as one report: each run's tensorplay series named by its engine (with its ratios,
+    measured against that run's mpi4py and gloo), and the other series as the first run measured them."""
+    documents = [json.loads((d / "results.json").read_text()) for d in directories]
+    results: list[Result] = []
+    for n, document in enumerate(documents):
+        name = document["meta"].get("engine", "python")
+        for row in document["results"]:
+            result = Result(**row)
+            if result.impl == "tensorplay":
+                results.append(replace(result, series=f"{result.series} ({name})"))
+            elif n == 0:
+                results.append(result)
+    meta = {"merged": [document["meta"] for document in documents]}
+    return meta, results
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: measure, print the tables (rank 0), write the files; returns the exit status."""
     if "--profile" in (sys.argv[1:] if argv is None else argv):
@@ -1318,8 +1367,11 @@ def main(argv: list[str] | None = None) -> int:
             print(costs.report(costs.profile()), flush=True)
         return 0
     config = parse_args(argv)
-    meta = describe_run(config, argv)
-    results = run(config)
+    if "--merge" in (sys.argv[1:] if argv is None else argv):
+        meta, results = merge(build_parser().parse_args(argv).merge)
+    else:
+        meta = describe_run(config, argv)
+        results = run(config)
     if COMM.Get_rank() == 0:
         print(format_report(results), flush=True)
         if config.out is not None:

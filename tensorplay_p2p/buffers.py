@@ -388,7 +388,8 @@ def _address(buf: Any) -> int:
     return int(buf.address) if type(buf) is _Buffer else int(_Buffer(buf).address)
 
 
-def _overlap_error(what: str, i: int, j: int) -> ValueError:
+def overlap_error(what: str, i: int, j: int) -> ValueError:
+    """The error for items ``i`` and ``j`` of a batch that share memory, one of them a receive."""
     first, second = sorted((i, j))
     return ValueError(
         f"{what}: items {first} and {second} share memory and one of them is a receive; "
@@ -409,11 +410,11 @@ def check_batch(resolved: list[Resolved], ops: list[tuple[bool, int, int, int]],
                 if buf is not buf2 and buf.flags.owndata and buf2.flags.owndata:
                     return  # two allocations of their own
                 if np.may_share_memory(buf, buf2):  # bounds are exact for contiguous arrays
-                    raise _overlap_error(what, 0, 1)
+                    raise overlap_error(what, 0, 1)
                 return
             lo, lo2 = _address(buf), _address(buf2)
             if count and count2 and lo < lo2 + count2 and lo2 < lo + count:
-                raise _overlap_error(what, 0, 1)
+                raise overlap_error(what, 0, 1)
             return
     check_disjoint(
         [
@@ -442,7 +443,7 @@ def check_disjoint(specs: list[tuple[bool, Any]], what: str) -> None:
                 if lo2 >= lo + count:
                     break
                 if count2 and (receiving or receiving2):
-                    raise _overlap_error(what, i, j)
+                    raise overlap_error(what, i, j)
         return
     regions = sorted(
         (lowest, lowest + layout.span, i, receiving, layout)
@@ -457,7 +458,7 @@ def check_disjoint(specs: list[tuple[bool, Any]], what: str) -> None:
             if (receiving or receiving2) and (
                 (layout.contiguous and layout2.contiguous) or layouts.shares_memory(lo, layout, lo2, layout2)
             ):
-                raise _overlap_error(what, i, j)
+                raise overlap_error(what, i, j)
 
 
 def describe(tensor: Any) -> str:

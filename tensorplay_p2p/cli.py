@@ -25,12 +25,13 @@ def _version(package: str) -> str | None:
 
 
 def collect_info() -> dict[str, Any]:
-    """What a cluster user checks first: the MPI library, threads, CUDA-awareness, ranks, frameworks."""
+    """What a cluster user checks first: the MPI library, threads, CUDA-awareness, the engine, ranks, frameworks."""
     import mpi4py
     from mpi4py import MPI
 
     import tensorplay_p2p as dist
 
+    from . import engine
     from .validate import thread_level_name
 
     comm = MPI.COMM_WORLD
@@ -46,6 +47,8 @@ def collect_info() -> dict[str, Any]:
         "cuda_aware": support.aware,
         "cuda_aware_reason": support.reason,
         "checked_mode": dist.checked_mode(),
+        "engine": engine.name,
+        "engine_reason": engine.reason,
         "world_size": comm.Get_size(),
         "hosts": hosts,
         "frameworks": {name: _version(name) for name in _FRAMEWORKS},
@@ -71,6 +74,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"thread level    {info['thread_level']}")
     print(f"CUDA-aware      {'yes' if info['cuda_aware'] else 'no'} ({info['cuda_aware_reason']})")
     print(f"checked mode    {'on' if info['checked_mode'] else 'off'}")
+    print(f"engine          {info['engine_reason']}")
     print(f"world size      {info['world_size']} rank(s) on {len(by_host)} host(s)")
     for host, ranks in by_host.items():
         shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
@@ -294,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tensorplay-p2p", description="torch.distributed-style point-to-point communication on MPI."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = commands.add_parser("info", help="MPI library, threads, CUDA-awareness, ranks and hosts, frameworks")
+    info = commands.add_parser("info", help="MPI library, threads, CUDA-awareness, engine, ranks and hosts, frameworks")
     info.add_argument("--json", action="store_true", help="print JSON for scripts")
     info.set_defaults(handler=_info)
     selftest = commands.add_parser("selftest", help="quick correctness checks at the current world size")

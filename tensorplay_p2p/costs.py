@@ -6,6 +6,9 @@ the buffers, the overlap check, posting, and the wait (``Waitall`` and completio
 is timed in CPU time, interleaved round by round with raw mpi4py's exchange
 (``Waitall([Irecv, Isend])``), and reported as a median ratio to it: raw = 1.00.  The pieces of
 a step that cannot run alone (posting without waiting) are timed together with what they need.
+Under the compiled engine, building the ``P2POp`` objects, the waits and the whole calls run in C,
+and the other steps are still the pure-Python engine's (run with ``TENSORPLAY_P2P_ACCEL=0`` to
+profile that engine alone).
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ is a persistent request.  A message travelling in direction ``o`` (a vector in {
 carries the interior slab next to side ``o`` and fills the neighbour's ghost region on side
 ``-o``; with ``corners=True`` the diagonal directions are exchanged too, so edge and corner
 ghosts are filled directly, correctly at any periodicity and grid size.
+
+Where a process is its own neighbour (``o`` runs only along periodic dimensions with one process),
+the slab is copied into the ghost region in memory instead (``paths`` says "self"), while the
+messages are in flight.  Each direction writes a ghost region of its own and reads only interior
+cells, which no receive writes, so copies and messages never touch each other's cells.
 """
 
 from __future__ import annotations
@@ -83,15 +88,19 @@ class HaloExchange(PersistentExchange):
                     ],
                     "HaloExchange",
                 )
+            me = group.rank()
+            peers = [(group.neighbor(o), group.neighbor(tuple(-x for x in o))) for o in directions]
             for i, m in enumerate(self._memories):
-                for k, direction in enumerate(directions):
+                for k, (direction, (to, back_from)) in enumerate(zip(directions, peers, strict=True)):
                     message_tag = base_tag + i * len(directions) + k
                     back = tuple(-o for o in direction)
                     label = f"tensor {i} direction {direction}"
                     send = self._region(m, direction, ghost=False)
-                    self._add(comm, i, send, group.neighbor(direction), message_tag, False, label)
                     receive = self._region(m, back, ghost=True)
-                    self._add(comm, i, receive, group.neighbor(back), message_tag, True, label)
+                    if to == back_from == me and self._add_copy(i, send, receive, label):
+                        continue  # its own neighbour: a copy, no message
+                    self._add(comm, i, send, to, message_tag, False, label)
+                    self._add(comm, i, receive, back_from, message_tag, True, label)
         except BaseException:
             self.close()
             raise
@@ -132,7 +141,9 @@ class HaloExchange(PersistentExchange):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("active" if self._active else "ready")
+        copies = self.paths.count("self")
         return (
             f"HaloExchange({len(self._tensors)} tensor(s), halo={self._halo}, corners={self._corners}, "
-            f"{self.messages} messages per step, {state}{', checked' if self._checked else ''})"
+            f"{self.messages} messages{f' and {copies} copies' if copies else ''} per step, "
+            f"{state}{', checked' if self._checked else ''})"
         )

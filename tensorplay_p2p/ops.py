@@ -4,17 +4,22 @@ Each call flows one way: validate the arguments (``validate``) → resolve the b
 wrapped by ``checked`` in checked mode) → post (``Work``, ``BatchWork``) → the handle completes it.
 Blocking calls on plain host buffers stop at the MPI call (``MPI_Send``/``MPI_Recv``): no handle
 is needed when nothing remains to be done after it.
+
+The functions here are the pure-Python engine, and the reference.  Under the compiled engine the
+public names are the C functions of ``_accel``, which take the common case themselves and hand any
+other call, before anything is posted, to the function here that they replace.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from mpi4py import MPI
 
-from . import buffers, checked, errors, layouts, signals, validate, watchdog
+from . import buffers, checked, engine, errors, layouts, signals, validate, watchdog
 from .groups import GroupMember, ProcessGroup
 from .runtime import state
 from .validate import TAG_UB, check_tag, member_group, resolve_peer
@@ -196,10 +201,14 @@ signals.register_wait(_blocking, _blocking_lines)
 
 # --- P2POp and batches ------------------------------------------------------------------------
 
-_new = tuple.__new__
+if TYPE_CHECKING or engine.accel is None:
+    _OpBase = tuple[Any, ...]
+    _new = tuple.__new__
+else:  # the compiled engine's base builds the common case in C, and calls ``__new__`` below otherwise
+    _OpBase, _new = engine.accel.OpBase, engine.accel.new_op
 
 
-class P2POp(tuple):  # type: ignore[type-arg]
+class P2POp(_OpBase):
     """One point-to-point operation for ``batch_isend_irecv``: op, peer, group and tag are checked when it is
     built and it is immutable afterwards; the tensor is checked when the batch is posted.
 
@@ -394,3 +403,37 @@ def _reword(p2p: P2POp, i: int, resolved: list[buffers.Resolved]) -> None:
     receive = p2p[0] is irecv
     retried = _resolve(p2p[1], receive, f"batch_isend_irecv item {i} ({errors.verb(receive)})")
     resolved.append(retried)  # resolved this time after all: released with the rest, and the first error raised
+
+
+if engine.accel is not None:  # the compiled engine: these calls made lean, the functions above where they are not
+    engine.accel.setup_ops(
+        world=_WORLD,
+        group_type=ProcessGroup,
+        op=P2POp,
+        new_op=engine.hand_over(P2POp, "__new__"),
+        isend=isend,
+        irecv=irecv,
+        send=send,
+        recv=recv,
+        batch=batch_isend_irecv,
+        resolvers=buffers.resolvers,
+        resolve=buffers.resolve,
+        release=buffers.release,
+        overlap_error=buffers.overlap_error,
+        failure=errors.failure,
+        size_error=errors.size_error,
+        state=state,
+        validate=vars(validate),
+        retired=layouts.retired,
+        release_retired=layouts.release_retired,
+        ndarray=np.ndarray,
+        mpi_exception=MPI.Exception,
+        tag_ub=TAG_UB,
+        world_size=_WORLD_SIZE,
+        world_rank=MPI.COMM_WORLD.Get_rank(),
+    )
+    isend = engine.accel.isend
+    irecv = engine.accel.irecv
+    send = engine.accel.send
+    recv = engine.accel.recv
+    batch_isend_irecv = engine.accel.batch_isend_irecv

@@ -11,6 +11,12 @@ exchange owns, filled in ``start`` and emptied in ``wait``.
 An exchange keeps the checked mode it was built in.  Checked, each message is a struct datatype
 over a header and its data (``checked.joined``), built once: a send's header is constant, a
 receive's header buffer is refilled every step and judged in ``wait`` before anything is copied out.
+
+A region that would travel to this process itself (``_add_copy``: a halo face along a periodic dimension
+with one process) is copied in memory instead, in ``start`` after the ``Startall``: between numpy views
+of the tensor built once on the host, through the device adapter and one host buffer for a staged device
+tensor.  Device memory that a CUDA-aware MPI reads in place keeps its message to itself (the adapters have
+no device-to-device copy).  Copies carry no header and are never pending.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, checked, devices, errors, signals, watchdog
+from . import buffers, checked, devices, errors, layouts, signals, watchdog
 from .errors import CommunicationError, MessageSizeError
 from .groups import ProcessGroup
 from .runtime import seconds, state
@@ -73,6 +79,10 @@ class PersistentExchange:
         self._packs: list[tuple[np.ndarray, np.ndarray]] = []
         self._unpacks: list[tuple[np.ndarray, np.ndarray]] = []
         self._headers: list[np.ndarray] = []  # checked mode: the receives' header buffers
+        self._copies: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, source) views: copies within a tensor
+        self._device_copies: list[tuple[devices.DeviceAdapter, Any, Any, np.ndarray]] = []  # (adapter, source part,
+        # destination part, host buffer): staged device copies within a tensor
+        self._routes: list[str] = []  # ``paths``: each message's, and "self" for each copy, in the order built
         self._plain = False
         self._tensors: list[Any] = []
         self._memories: list[buffers.Memory] = []
@@ -128,9 +138,35 @@ class PersistentExchange:
             spec, nbytes = [MPI.BOTTOM, 1, struct], nbytes + checked.HEADER_BYTES
         request = comm.Recv_init(spec, peer, tag) if receive else comm.Send_init(spec, peer, tag)
         self._requests.append(request)
+        self._routes.append(placed.path)
         self._messages.append(
             _Message(placed.path, receive, tensor, peer, tag, nbytes, region, host, label, copy, header, meta)
         )
+
+    def _add_copy(self, tensor: int, source: tuple[slice, ...], destination: tuple[slice, ...], label: str) -> bool:
+        """Copy ``source`` of tensor ``tensor`` into its ``destination`` (same shape) every step, in place of a
+        message to this process itself; False, with nothing added, for device memory a CUDA-aware MPI reads in
+        place (the caller posts the message instead)."""
+        m = self._memories[tensor]
+        shape = tuple(r.stop - r.start for r in source)
+        layout = buffers.plan(m._replace(shape=shape), True, f"{self._what} {label}")  # what a receive checks
+        offsets = [sum(r.start * s for r, s in zip(region, m.strides, strict=True)) for region in (source, destination)]
+        if not layout.nbytes:
+            pass  # nothing to copy
+        elif m.adapter is None:
+            views = [layouts.as_array(m.address + offset + layout.low, layout) for offset in offsets]
+            self._copies.append((views[1], views[0]))
+        else:
+            parts = m.array[source], m.array[destination]
+            placed = buffers.place(m, layout, offset=offsets[0], owned=True, checked=self._checked)
+            if placed.path != "staged":
+                if placed.datatype is not None:
+                    placed.datatype.Free()
+                return False
+            assert placed.host is not None
+            self._device_copies.append((m.adapter, *parts, placed.host))
+        self._routes.append("self")
+        return True
 
     def _ready(self) -> None:
         """Precompute what every step needs, so that a step does no more than it must."""
@@ -140,13 +176,13 @@ class PersistentExchange:
         self._packs = [m.copy for m in self._messages if m.copy is not None and not m.receive]
         self._unpacks = [m.copy for m in self._messages if m.copy is not None and m.receive]
         self._headers = [m.header for m in self._messages if m.header is not None and m.receive]
-        self._plain = not self._synchronized and not self._staged
+        self._plain = not self._synchronized and not self._staged and not self._device_copies
         self._movable = [
             (i, t.data_ptr, m.address)
             for i, (t, m) in enumerate(zip(self._tensors, self._memories, strict=True))
             if callable(getattr(t, "data_ptr", None))
         ]
-        self._plain = self._plain and not self._movable and bool(self._requests) and not self._checked
+        self._plain = self._plain and not self._movable and bool(self._requests or self._copies) and not self._checked
 
     def _part(self, message: _Message) -> Any:
         array = self._memories[message.tensor].array
@@ -188,6 +224,11 @@ class PersistentExchange:
         self.posted = time.monotonic()
         if watchdog.active:
             watchdog.track(self)
+        for destination, source in self._copies:  # while the messages are in flight: never their regions
+            np.copyto(destination, source)
+        for adapter, part, into, host in self._device_copies:
+            adapter.to_host(part, host)
+            adapter.from_host(host, into)
 
     def wait(self, timeout: timedelta | float | None = None) -> None:
         """Complete the step (one ``Waitall``); received regions are filled on return."""
@@ -273,6 +314,8 @@ class PersistentExchange:
                 _copyto(destination, source)
             try:  # host tensors that cannot move: nothing to do around the two MPI calls but the size check
                 _Startall(self._requests)
+                for destination, source in self._copies:
+                    _copyto(destination, source)
                 _Waitall(self._requests, self._statuses)
             except MPI.Exception as exc:
                 raise self._failure(exc) from exc
@@ -309,8 +352,9 @@ class PersistentExchange:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        """How each message travels, in the order built: "contiguous", "datatype", "packed", "device" or "staged"."""
-        return tuple(m.path for m in self._messages)
+        """How each message travels, in the order built: "contiguous", "datatype", "packed", "device" or "staged";
+        "self" for each region copied within a tensor instead of a send and a receive to this process itself."""
+        return tuple(self._routes)
 
     @property
     def messages(self) -> int:
@@ -335,6 +379,8 @@ class PersistentExchange:
         for message in self._messages:
             if message.host is not None:
                 devices.staging_pool.give(message.host)
+        for _, _, _, host in self._device_copies:
+            devices.staging_pool.give(host)
         self._requests.clear()
         self._datatypes.clear()
 

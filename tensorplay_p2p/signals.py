@@ -31,6 +31,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import engine, errors
 from .abort import abort_job
 
 __all__ = ["GRACE", "install", "register_wait"]
@@ -62,9 +63,18 @@ def _ours(signum: int) -> bool:
     return handler is (signal.default_int_handler if signum == signal.SIGINT else _terminate)
 
 
-def _waiting_frame(frames: dict[int, FrameType], ident: int | None) -> FrameType | None:
-    frame = frames.get(ident) if ident is not None else None
-    return frame if frame is not None and frame.f_code in _waits else None
+def _compiled_waits() -> dict[int, tuple[int, Any]]:
+    """The compiled engine's waits in progress: {thread: (serial, handle or the blocking call's op)}."""
+    return engine.accel.waiting() if engine.accel is not None else {}
+
+
+def _wait_position(ident: int | None) -> tuple[Any, int] | None:
+    """Where thread ``ident`` is blocked in one of the package's waits (the same wait if still equal later), or None."""
+    compiled = _compiled_waits().get(ident) if ident is not None else None
+    if compiled is not None:
+        return "compiled", compiled[0]  # its serial: the same number is the same wait
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return (frame, frame.f_lasti) if frame is not None and frame.f_code in _waits else None
 
 
 def _pending_lines(now: float) -> list[str]:
@@ -72,6 +82,12 @@ def _pending_lines(now: float) -> list[str]:
     for frame in sys._current_frames().values():
         if frame.f_code in _waits:
             lines += _waits[frame.f_code](frame.f_locals, now)
+    for _, waited in _compiled_waits().values():
+        if type(waited) is tuple:  # a blocking send or receive: (receive, group, peer, tag, nbytes, posted)
+            receive, group, peer, tag, nbytes, posted = waited
+            lines.append(errors.describe_op(receive, group, peer, tag, nbytes, now - posted))
+        else:
+            lines += waited.pending_lines(now)
     return lines
 
 
@@ -79,14 +95,12 @@ def _on_signal(signum: int) -> None:
     if not _ours(signum):
         return
     main = threading.main_thread().ident
-    before = _waiting_frame(sys._current_frames(), main)
-    position = before.f_lasti if before is not None else -1
+    before = _wait_position(main)
     terminations = _terminations
     time.sleep(GRACE)
     if signum == signal.SIGTERM and _terminations != terminations:
         return  # the handler ran: the process is ending as SIGTERM's default would end it
-    after = _waiting_frame(sys._current_frames(), main)
-    if before is not None and after is before and after.f_lasti == position:
+    if before is not None and _wait_position(main) == before:
         _abort(signum)
     elif signum == signal.SIGTERM:
         _die(signum)  # the main thread is busy outside Python: end the process as the default would

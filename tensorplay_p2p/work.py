@@ -6,6 +6,11 @@ module writes its fields.  What it hands an after-hook (copy-back, checked mode)
 ``BatchWork`` is the sequence of per-op works that torch's ``batch_isend_irecv`` returns, but it
 makes those ``Work`` objects only when the caller looks at one (indexing, iteration); until then
 the batch is a list of requests, posted in order and completed by one ``Waitall``.
+
+Under the compiled engine the fields live in the C bases ``_accel.WorkBase`` and ``_accel.BatchBase``,
+whose ``wait()`` and keep-alive of a dropped handle replace the ones here (which they fall back to);
+a batch the C code posted holds its ops in C arrays until Python code reads ``_ops``, ``_resolved``
+or ``_requests``.  Every other method is the one below, for both engines.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from mpi4py import MPI
 
-from . import errors, signals, watchdog
+from . import engine, errors, signals, watchdog
 from .errors import CommunicationError
 from .groups import ProcessGroup
 from .runtime import seconds
@@ -29,7 +34,36 @@ from .runtime import seconds
 if TYPE_CHECKING:
     from .buffers import Resolved
 
+
 __all__ = ["BatchWork", "Receipt", "Work", "dropped", "finish_dropped_at_exit", "poll", "reap_dropped"]
+
+
+class _Fields:
+    """The base of the pure-Python engine's handles, which declare their fields as slots themselves."""
+
+    __slots__ = ()
+
+
+if TYPE_CHECKING or engine.accel is None:
+    _WorkBase = _Fields
+    _BatchBase = _Fields
+else:  # the compiled engine's bases hold the fields in C
+    _WorkBase, _BatchBase = engine.accel.WorkBase, engine.accel.BatchBase
+_WORK_FIELDS = (
+    "_after",
+    "_exception",
+    "_group",
+    "_keep",
+    "_nbytes",
+    "_peer",
+    "_receive",
+    "_request",
+    "_source",
+    "_state",
+    "_tag",
+    "posted",
+)
+_BATCH_FIELDS = ("_group", "_hooks", "_ops", "_requests", "_resolved", "_state", "_works", "posted")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _Status = MPI.Status
@@ -140,23 +174,10 @@ def poll(test: Callable[[], bool], timeout: float, pending: Callable[[float], li
 # --- one op ----------------------------------------------------------------------------------
 
 
-class Work:
+class Work(_WorkBase):
     """One posted isend or irecv; keeps its buffer alive until it completes."""
 
-    __slots__ = (
-        "_after",
-        "_exception",
-        "_group",
-        "_keep",
-        "_nbytes",
-        "_peer",
-        "_receive",
-        "_request",
-        "_source",
-        "_state",
-        "_tag",
-        "posted",
-    )
+    __slots__ = () if _WorkBase is not _Fields else _WORK_FIELDS
 
     def __init__(
         self, group: ProcessGroup, receive: bool, peer: int, tag: int, resolved: Resolved, what: str | None
@@ -354,7 +375,7 @@ class Work:
 _statuses: dict[int, list[list[MPI.Status]]] = {}  # Status lists for Waitall by length, reused once read
 
 
-class BatchWork(Sequence[Work]):
+class BatchWork(_BatchBase, Sequence[Work]):
     """The ops of one ``batch_isend_irecv``: one ``Waitall`` completes them all.
 
     A sequence of per-op ``Work`` objects, as torch's list is (``len``, indexing, iteration,
@@ -362,7 +383,7 @@ class BatchWork(Sequence[Work]):
     only what completing it needs: the requests and, per op, its peer, tag, size and buffer.
     """
 
-    __slots__ = ("_group", "_hooks", "_ops", "_requests", "_resolved", "_state", "_works", "posted")
+    __slots__ = () if _BatchBase is not _Fields else _BATCH_FIELDS
 
     def __init__(
         self,
@@ -678,3 +699,20 @@ class BatchWork(Sequence[Work]):
 
 signals.register_wait(Work.wait, lambda scope, now: scope["self"].pending_lines(now))
 signals.register_wait(BatchWork.wait, lambda scope, now: scope["self"].pending_lines(now))
+
+if engine.accel is not None:  # the compiled engine: the same wait() made lean, these methods where it is not
+    engine.accel.setup_work(
+        work=Work,
+        batch=BatchWork,
+        work_wait=engine.hand_over(Work, "wait"),
+        batch_wait=engine.hand_over(BatchWork, "wait"),
+        dropped=dropped,
+        reap_dropped=reap_dropped,
+        watchdog=vars(watchdog),
+        request_null=_REQUEST_NULL,
+        pending=_PENDING,
+        done=_DONE,
+        failed=_FAILED,
+    )
+    engine.hand_over(Work, "__del__")  # C keeps a dropped pending handle as these do
+    engine.hand_over(BatchWork, "__del__")

@@ -33,7 +33,8 @@ def _load_time_imports(path: Path) -> set[str]:
 
 def graph() -> dict[str, set[str]]:
     """Module → the package modules it imports at load time."""
-    return {path.stem: _load_time_imports(path) for path in sorted(PACKAGE.glob("*.py")) if path.stem != "__main__"}
+    generated = ("__main__", "buildinfo")  # buildinfo: the install's record of the accelerator's build
+    return {path.stem: _load_time_imports(path) for path in sorted(PACKAGE.glob("*.py")) if path.stem not in generated}
 
 
 def documented() -> dict[str, set[str]]:

@@ -64,6 +64,28 @@ def test_main_writes_table_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFi
     assert lines[0].startswith("pattern,series,impl,size") and len(lines) == 1 + len(document["results"])
 
 
+def test_merge_names_each_runs_tensorplay_series_by_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs (as if one per engine) become one report: tensorplay's series suffixed, mpi4py's from the first."""
+    out = Path(MPI.COMM_WORLD.bcast(str(tmp_path)))
+    runs = [out / "compiled", out / "python"]
+    for run, name in zip(runs, ("compiled", "python"), strict=True):
+        args = [*QUICK, "--max-size", "8", "--halo-max-edge", "8", "--patterns", "halo2d", "--out", str(run)]
+        assert bench.main([*args, "--impls", "tensorplay,mpi4py"]) == 0
+        if RANK == 0:  # as if measured on that engine
+            document = json.loads((run / "results.json").read_text())
+            document["meta"]["engine"] = name
+            (run / "results.json").write_text(json.dumps(document))
+    MPI.COMM_WORLD.Barrier()
+    assert bench.main(["--merge", *map(str, runs), "--out", str(out / "both"), "--no-plot"]) == 0
+    if RANK != 0:
+        return
+    assert "tensorplay (compiled)/mpi4py" in capsys.readouterr().out
+    merged = json.loads((out / "both" / "results.json").read_text())
+    assert [m["engine"] for m in merged["meta"]["merged"]] == ["compiled", "python"]
+    assert sorted(r["series"] for r in merged["results"]) == ["mpi4py", "tensorplay (compiled)", "tensorplay (python)"]
+    assert all(r["ratio_vs_mpi4py"] for r in merged["results"] if r["impl"] == "tensorplay")
+
+
 def test_importing_the_benchmark_does_not_import_torch() -> None:
     if RANK != 0:
         return

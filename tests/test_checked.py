@@ -364,7 +364,7 @@ def test_halo_mismatch_names_both_sides_every_step_and_writes_nothing() -> None:
     right, left = cart.neighbor((1,)), cart.neighbor((-1,))
     dtype = {n: "int32" if n == 0 else "float32" for n in (right, left)}
     with dist.HaloExchange(field, cart) as hx:
-        assert set(hx.paths) == {"packed"}, "the faces travel packed"
+        assert set(hx.paths) == ({"self"} if SIZE == 1 else {"packed"}), "the faces travel packed (or are copied)"
         for _ in range(2):
             # the receives in order: the ghost on side +1 from the right (tag 0), on side -1 from the left (tag 1)
             wrong = [(n, t) for n, t in ((right, 0), (left, 1)) if dtype[n] != mine]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 
 import numpy as np
 import pytest
@@ -69,6 +70,25 @@ class Case:
         return field
 
 
+def directions(ndim: int, corners: bool) -> list[tuple[int, ...]]:
+    """The directions a HaloExchange trades in: the faces, or with corners every neighbour."""
+    offsets = [o for o in itertools.product((-1, 0, 1), repeat=ndim) if any(o)]
+    return offsets if corners else [o for o in offsets if sum(map(abs, o)) == 1]
+
+
+def traffic(cart: dist.CartGroup, corners: bool) -> tuple[int, int]:
+    """Per tensor: the MPI messages this rank posts per step, and the regions it copies because it is its own
+    neighbour (only along periodic dimensions of one process); no message goes to or comes from MPI.PROC_NULL."""
+    messages = copies = 0
+    for o in directions(len(cart.dims), corners):
+        to, source = cart.neighbor(o), cart.neighbor(tuple(-x for x in o))
+        if to == source == cart.rank():
+            copies += 1
+        else:
+            messages += (to != MPI.PROC_NULL) + (source != MPI.PROC_NULL)
+    return messages, copies
+
+
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("periodic", [False, True], ids=["open", "periodic"])
 @pytest.mark.parametrize("halo", [1, 2])
@@ -98,10 +118,20 @@ def test_every_kind_of_tensor_gets_its_ghost_cells(
 ) -> None:
     """A numpy field wrapped without a copy as each kind (periodic along the first dimension only): each step's
     new interior, written in numpy, reaches the neighbours' ghost cells through the tensor the exchange holds."""
-    cart = dist.new_cart_group([0] * ndim, periods=[True] + [False] * (ndim - 1))
+    steps_fill_the_ghosts(
+        kind, dist.new_cart_group([0] * ndim, periods=[True] + [False] * (ndim - 1)), halo, corners, dtype
+    )
+
+
+def steps_fill_the_ghosts(
+    kind: ArrayKind, cart: dist.CartGroup, halo: int, corners: bool, dtype: str, copies: bool = False
+) -> None:
+    """Two steps of a HaloExchange over a numpy field wrapped as ``kind``, each with a new interior written in
+    numpy, check every cell; ``copies``: some region must be copied to this rank itself.  Destroys ``cart``."""
     field = Case(cart, halo).initial(dtype)
     try:
         with dist.HaloExchange(shared(kind, field), cart, halo=halo, corners=corners) as hx:
+            assert not copies or "self" in hx.paths
             for step in range(2):
                 case = Case(cart, halo, step)
                 field[...] = case.initial(dtype)
@@ -135,13 +165,17 @@ def test_several_fields_and_repeated_steps_with_overlap() -> None:
 
 
 def test_halo_per_dimension_and_message_count() -> None:
+    """Each neighbour costs a send and a receive, or one copy where it is this rank itself (a dimension of 1)."""
     cart = dist.new_cart_group([0, 0], periods=True)
     field = np.zeros((7, 8, COMPONENTS))
-    with dist.HaloExchange(field, cart, halo=(2, 0)) as hx:
-        assert hx.messages == 4  # two faces along dim 0, each a send and a receive; none along dim 1
+    with dist.HaloExchange(field, cart, halo=(2, 0)) as hx:  # two faces along dim 0; none along dim 1
+        assert (hx.messages, hx.paths.count("self")) == ((0, 2) if cart.dims[0] == 1 else (4, 0))
         hx.exchange(timeout=WAIT)
     with dist.HaloExchange(field, cart, halo=1, corners=True) as hx:
-        assert hx.messages == 16  # 8 neighbours in 2-D, periodic: all exist
+        copies = hx.paths.count("self")
+        assert hx.messages + 2 * copies == 16  # 8 neighbours in 2-D, periodic: all exist
+        assert (hx.messages, copies) == traffic(cart, corners=True)
+        assert len(hx.paths) == hx.messages + copies
     dist.destroy_process_group(cart)
 
 
@@ -251,7 +285,8 @@ def test_large_strided_faces_are_packed_and_exact(kind: ArrayKind, interior: tup
     inner = (slice(1, -1),) * nd
     with dist.HaloExchange(tensor, cart, corners=True) as hx:
         packed = [path == "packed" for path in hx.paths]
-        assert any(packed) or (layout, nd) == ("transposed", 2), "no face was large enough to be packed"
+        if "self" not in hx.paths:  # every face travels (at 4 ranks): some are large enough to be packed
+            assert any(packed) or (layout, nd) == ("transposed", 2), "no face was large enough to be packed"
         for step in range(2):
             expected = whole[np.ix_(*rows)] + 1000 * step
             field[inner] = expected[inner]
@@ -312,3 +347,138 @@ def test_use_after_destroy_raises_and_the_cart_group_stays_destroyed() -> None:
     hx.close()
     assert hx.messages == 0 and idle.messages == 0
     np.testing.assert_array_equal(field, [left + 1, RANK + 1, RANK + 1, RANK + 1, right + 1])
+
+
+# --- a rank that is its own neighbour: a periodic dimension of one process --------------------------------
+
+OWN_GRIDS = {  # dims and periods at every world size with some dimension of one process that wraps around
+    "2d-wraps": ([SIZE, 1], [True, True]),
+    "2d-open": ([1, SIZE], [True, False]),
+    "3d-wraps": ([1, SIZE, 1], [True, True, True]),
+    "3d-open": ([SIZE, 1, 1], [False, True, False]),
+}
+
+
+@pytest.mark.parametrize("grid", list(OWN_GRIDS))
+@pytest.mark.parametrize("halo", [1, 2])
+@pytest.mark.parametrize("corners", [False, True], ids=["faces", "corners"])
+def test_own_neighbour_ghosts_are_copied_each_step(grid: str, halo: int, corners: bool) -> None:
+    """Two fields on grids where a rank is its own neighbour: each step's interior reaches every ghost cell, by
+    exchange() (lean), start()/wait() and exchange(timeout); the copies post no message."""
+    dims, periods = OWN_GRIDS[grid]
+    cart = dist.new_cart_group(dims, periods=periods)
+    assert isinstance(cart, dist.CartGroup)
+    first = Case(cart, halo)
+    u, v = first.initial("float64"), first.initial("int16")
+    try:
+        with dist.HaloExchange([u, v], cart, halo=halo, corners=corners) as hx:
+            messages, copies = traffic(cart, corners)
+            assert copies > 0 and (hx.messages, hx.paths.count("self")) == (2 * messages, 2 * copies)
+            assert f"{2 * messages} messages and {2 * copies} copies per step" in repr(hx)
+            for step in range(3):
+                case = Case(cart, halo, step)
+                u[...], v[...] = case.initial("float64"), case.initial("int16")
+                if step == 0:
+                    hx.exchange()
+                elif step == 1:
+                    hx.start()
+                    hx.wait(timeout=WAIT)
+                else:
+                    hx.exchange(timeout=WAIT)
+                np.testing.assert_array_equal(u, case.expected("float64", corners), err_msg=f"step {step}")
+                np.testing.assert_array_equal(v, case.expected("int16", corners), err_msg=f"step {step}")
+    finally:
+        dist.destroy_process_group(cart)
+
+
+@pytest.mark.parametrize(
+    ("grid", "halo", "corners", "dtype"),
+    [("2d-wraps", 1, True, "int16"), ("3d-wraps", 2, False, "complex128"), ("3d-open", 1, True, "float32")],
+    ids=["2d-corners-int16", "3d-faces-complex128", "3d-open-corners-float32"],
+)
+def test_every_kind_of_tensor_copies_to_itself(
+    kind: ArrayKind, grid: str, halo: int, corners: bool, dtype: str
+) -> None:
+    """A numpy field wrapped without a copy as each kind, on a grid where each rank is its own neighbour: the
+    copies write through the tensor the exchange holds, step after step."""
+    dims, periods = OWN_GRIDS[grid]
+    steps_fill_the_ghosts(kind, dist.new_cart_group(dims, periods=periods), halo, corners, dtype, copies=True)
+
+
+def test_no_message_goes_to_itself() -> None:
+    """On one process along periodic dimensions every region is copied: no MPI message at all; on a 2 x 1 periodic
+    grid the copies replace the messages along the dimension of one process, and every message names the other."""
+    alone = dist.new_cart_group([1, 1, 1], periods=True)  # rank 0 only
+    if RANK == 0:
+        assert isinstance(alone, dist.CartGroup)
+        field = np.zeros((7, 8, 6, COMPONENTS))
+        with dist.HaloExchange([field, np.zeros((6, 6, 6))], alone, halo=2, corners=True) as hx:
+            assert hx.messages == 0 and hx.paths == ("self",) * 52  # 26 neighbours, two tensors
+            assert "0 messages and 52 copies per step" in repr(hx)
+            field[2:-2, 2:-2, 2:-2] = 1.0
+            hx.start()
+            assert hx.pending_lines(time.monotonic()) == []  # copies are never pending
+            hx.wait(timeout=0.1)
+            assert (field == 1.0).all(), "every ghost cell comes from the interior"
+        dist.destroy_process_group(alone)
+    if SIZE < 2:
+        return
+    pair = dist.new_cart_group([2, 1], periods=True)  # ranks 0 and 1
+    if RANK < 2:
+        assert isinstance(pair, dist.CartGroup)
+        other = 1 - pair.rank()
+        for corners, messages in ((False, 4), (True, 12)):
+            with dist.HaloExchange(np.zeros((5, 5)), pair, corners=corners) as hx:
+                assert hx.messages == messages and hx.paths.count("self") == 2  # directions (0, -1) and (0, 1)
+                lines = hx.pending_lines(None)
+                assert len(lines) == messages
+                assert all(f" rank {other} (group rank {other})," in line for line in lines), lines
+                assert not any("direction (0, " in line for line in lines), lines
+                hx.exchange(timeout=WAIT)
+        dist.destroy_process_group(pair)
+
+
+def test_timeout_lists_only_messages_not_copies() -> None:
+    """Rank 0 starts alone on a SIZE x 1 periodic grid: the pending messages are those along dim 0; the copies
+    along dim 1 were done.  On one rank nothing is pending: the step completes at once."""
+    cart = dist.new_cart_group([SIZE, 1], periods=True)
+    case = Case(cart, 1)
+    field = case.initial("float64")
+    hx = dist.HaloExchange(field, cart, corners=True)
+    if SIZE > 1 and RANK == 0:
+        hx.start()
+        with pytest.raises(dist.CommunicationTimeout, match=r"HaloExchange: timed out after 0\.3 s") as info:
+            hx.wait(timeout=0.3)
+        assert info.value.pending and not any("direction (0, " in line for line in info.value.pending)
+        assert all(" rank 0 " not in line for line in info.value.pending)
+    MPI.COMM_WORLD.Barrier()
+    if not (SIZE > 1 and RANK == 0):
+        hx.start()
+    hx.wait(timeout=WAIT)
+    np.testing.assert_array_equal(field, case.expected("float64", True))
+    hx.close()
+    dist.destroy_process_group(cart)
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda-aware"])
+def test_device_fields_copy_to_themselves_through_the_adapter(fake: FakeAdapter, aware: bool) -> None:
+    """Staged (and in checked mode), a device field's own-neighbour regions go through the adapter and one host
+    buffer, no MPI; device memory a CUDA-aware MPI reads in place keeps its messages, the adapters having no
+    device-to-device copy.  Either way the ghosts match, and the staging buffers go back."""
+    devices.override_cuda_aware(aware)
+    cart = dist.new_cart_group([SIZE, 1], periods=True)
+    case = Case(cart, 1)
+    field = case.initial("float64")
+    messages, copies = traffic(cart, corners=True)
+    in_place = aware and not dist.checked_mode()
+    with dist.HaloExchange(FakeDeviceArray(field), cart, corners=True) as hx:
+        if in_place:
+            assert "self" not in hx.paths and hx.messages == messages + 2 * copies
+        else:
+            assert hx.paths.count("self") == copies and hx.messages == messages
+        hx.exchange(timeout=WAIT)
+        np.testing.assert_array_equal(field, case.expected("float64", True))
+        if not in_place:
+            assert "to_host" in fake.log and "from_host" in fake.log
+    assert devices.staging_pool.in_use == 0, "close() gives the staging buffers back"
+    dist.destroy_process_group(cart)

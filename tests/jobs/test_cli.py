@@ -25,13 +25,16 @@ CLI = [sys.executable, "-m", "tensorplay_p2p"]
 def test_info_for_people_and_scripts() -> None:
     human = run([*CLI, "info"])
     assert human.returncode == 0, human.stderr
-    for field in ("MPI library", "thread level", "CUDA-aware", "world size", "frameworks"):
+    for field in ("MPI library", "thread level", "CUDA-aware", "engine", "world size", "frameworks"):
         assert field in human.stdout
+    engine_line = next(line for line in human.stdout.splitlines() if line.startswith("engine "))
+    assert engine_line.split(None, 1)[1].startswith(("compiled (", "pure Python: "))
     as_json = run([*CLI, "info", "--json"], ranks=2)
     assert as_json.returncode == 0, as_json.stderr
     info = json.loads(as_json.stdout)
     assert info["world_size"] == 2 and len(info["hosts"]) == 2
     assert isinstance(info["cuda_aware"], bool) and info["cuda_aware_reason"]
+    assert info["engine"] in ("compiled", "python") and info["engine_reason"]
     assert info["frameworks"]["numpy"]
 
 
