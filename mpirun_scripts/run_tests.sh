@@ -34,6 +34,9 @@ limit=${TP2P_TIMEOUT:-300}  # the longest run takes about 1.5 minutes here; a de
 python=${PYTHON:-python}
 label=${TP2P_LABEL:-}  # names this run's reports when another run's sit beside them
 source "$here/launcher.sh"
+# Test the installed package: without this, `python -m pytest` (and `python -m tensorplay_p2p.run`) started from the
+# root of a checkout would import the checkout's sources, which hold no compiled engine unless installed in place.
+export PYTHONSAFEPATH=1
 
 if [ -n "${TP2P_REPORTS:-}" ]; then  # a nested run: its reports are summed by the run that started it
     reports=$TP2P_REPORTS

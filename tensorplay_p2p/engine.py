@@ -69,7 +69,10 @@ def _select() -> tuple[ModuleType | None, str]:
     try:
         info = importlib.import_module(f"{_PACKAGE}.buildinfo")
     except ImportError:
-        return None, "pure Python: the accelerator was not built (no build record, tensorplay_p2p/buildinfo.py)"
+        return None, (
+            "pure Python: this copy of tensorplay_p2p was not built by an install (no buildinfo.py beside it; "
+            "a source checkout imported from its root?)"
+        )
     built, library = getattr(info, "ABI", None), getattr(info, "MPI_LIBRARY", None) or ""
     if not built:
         why = getattr(info, "REASON", None) or "no reason recorded"
