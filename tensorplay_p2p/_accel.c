@@ -1,8 +1,8 @@
 /* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls, in C over mpi4py's C API.
  *
  * It handles the common case (host buffers that are contiguous or already resolved to a plain MPI
- * buffer, explicit peers, no checked mode, no watchdog) with no Python object per op between the
- * call and MPI.  Anything else is handed, unchanged and before anything is posted, to the Python
+ * buffer, any group, no checked mode, no watchdog) with no Python object per op between the call
+ * and MPI, and its waits test first, so that an op already complete never gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
  * function or method it stands in for (the reference, given by ``setup_work``/``setup_ops``), so both
  * engines give the same results, exceptions and messages.  Error messages are always worded by the
  * package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
