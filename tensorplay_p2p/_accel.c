@@ -1,8 +1,8 @@
 /* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls, in C over mpi4py's C API.
  *
  * It handles the common case (host buffers that are contiguous or already resolved to a plain MPI
- * buffer, any group, no checked mode, no watchdog) with no Python object per op between the call
- * and MPI, and its waits test first, so that an op already complete never gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
+ * buffer, any group, no checked mode, no watchdog, no torch profiler recording) with no Python object
+ * per op between the call and MPI, and its waits test first, so that an op already complete never gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
  * function or method it stands in for (the reference, given by ``setup_work``/``setup_ops``), so both
  * engines give the same results, exceptions and messages.  Error messages are always worded by the
  * package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
@@ -48,6 +48,7 @@ static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
 
 static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
+static PyObject *s_profiler_module, *s_profiler_flag;
 static PyObject *s_fail, *s_complete, *s_wait_works, *s_complete_batch, *s_raise_failures;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what, *s_recv_what;
 
@@ -61,12 +62,43 @@ monotonic(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Whether the lean path may run now: set up, no checked mode, no watchdog, any thread may call MPI. */
+/* Whether a torch profiler may be recording (``profiling.active()``, in C): torch.autograd.profiler's
+ * ``_is_profiler_enabled``.  Until that module is in sys.modules, one lookup there per call; from then on, one lookup
+ * in its namespace, held here (a module deleted from sys.modules and imported anew is not seen).  Where it cannot
+ * tell (sys.modules is not a dict), 1: the Python path decides. */
+static PyObject *profiler_namespace; /* torch.autograd.profiler's __dict__, once imported */
+
+static int
+profiler_recording(void)
+{
+    if (profiler_namespace == NULL) {
+        PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+        if (!PyDict_CheckExact(modules))
+            return 1;
+        PyObject *module = PyDict_GetItemWithError(modules, s_profiler_module);
+        if (module == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (!PyModule_Check(module))
+            return 1;
+        PyObject *namespace = PyModule_GetDict(module); /* borrowed */
+        if (PyDict_GetItemWithError(namespace, s_profiler_flag) == NULL) { /* still being imported */
+            PyErr_Clear();
+            return 1;
+        }
+        profiler_namespace = Py_NewRef(namespace);
+    }
+    return PyDict_GetItemWithError(profiler_namespace, s_profiler_flag) == Py_True;
+}
+
+/* Whether the lean path may run now: set up, no checked mode, no watchdog, any thread may call MPI, no torch
+ * profiler recording (its events are recorded by the Python path). */
 static int
 gate(void)
 {
     PyObject *v;
-    if (world == NULL)
+    if (world == NULL || profiler_recording())
         return 0;
     v = PyObject_GetAttr(state, s_checked);
     if (v == NULL) {
@@ -1613,7 +1645,8 @@ PyInit__accel(void)
         intern(&s_complete_batch, "_complete") || intern(&s_raise_failures, "_raise_failures") ||
         intern(&s_withdraw, "_withdraw") || intern(&s_wait, "wait") || intern(&s_source_rank, "source_rank") || intern(&s_batch_what, "batch_isend_irecv") ||
         intern(&s_isend_what, "isend") || intern(&s_irecv_what, "irecv") || intern(&s_send_what, "send") ||
-        intern(&s_recv_what, "recv"))
+        intern(&s_recv_what, "recv") || intern(&s_profiler_module, "torch.autograd.profiler") ||
+        intern(&s_profiler_flag, "_is_profiler_enabled"))
         return NULL;
     PyObject *m = PyModule_Create(&accel_module);
     if (m == NULL)

@@ -242,27 +242,35 @@ class Placement(NamedTuple):
 
 
 def place(
-    m: Memory, layout: layouts.Layout, *, offset: int = 0, owned: bool = False, checked: bool = False
+    m: Memory,
+    layout: layouts.Layout,
+    *,
+    offset: int = 0,
+    owned: bool = False,
+    checked: bool = False,
+    collective: bool = False,
 ) -> Placement:
     """How the elements of ``layout`` at ``offset`` bytes into ``m`` travel: the only place that decides.
 
     ``owned`` (persistent messages): the datatype is built for the caller, who frees it, and a packing
     buffer is the caller's own; otherwise datatypes come from the cache and buffers from the pools.
     ``checked``: a header joins the message on the host, so device memory is staged.
+    ``collective``: a collective's buffer, one contiguous run of host bytes: strided host memory is
+    packed at every size, device memory staged.
     """
     address = m.address + offset
     nbytes = layout.nbytes
     if m.adapter is None:
         if layout.contiguous:
             return Placement("contiguous", spec(address, layout), nbytes)
-        if layouts.packs(layout):
+        if collective or layouts.packs(layout):
             host = np.empty(nbytes, np.uint8) if owned else devices.packing_pool.take(devices.pageable_host, nbytes)
             in_place = layouts.as_array(address + layout.low, layout)
             blocks = host.view(layouts.block_dtype(layout.block)).reshape(in_place.shape)
             return Placement("packed", [host, nbytes, _BYTE], nbytes, host, in_place, blocks)
         datatype = layouts.build(layout) if owned else None
         return Placement("datatype", spec(address, layout, datatype), nbytes, datatype=datatype)
-    if not checked and devices.cuda_support().aware and not layouts.miswalked(layout):
+    if not (checked or collective) and devices.cuda_support().aware and not layouts.miswalked(layout):
         datatype = layouts.build(layout) if owned and not layout.contiguous else None
         return Placement("device", spec(address, layout, datatype), nbytes, datatype=datatype)
     host = devices.staging_pool.take(m.adapter, nbytes)
@@ -342,6 +350,42 @@ def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
 
 
 _STRIDED: Any = None  # torch.strided, looked up once torch is seen
+
+
+def host_contiguous(tensor: Any) -> tuple[Any, str, int] | None:
+    """``(buffer, dtype, nbytes)`` of a writable C-contiguous numpy array or contiguous CPU torch tensor, for an
+    MPI call on its elements in place; None for anything else (which ``memory`` and ``place`` describe)."""
+    tp = type(tensor)
+    if tp is np.ndarray:
+        flags = tensor.flags
+        if flags.c_contiguous and flags.writeable:
+            dtype = _numpy_dtypes.get(tensor.dtype)
+            if dtype is None and tensor.dtype.isnative and not tensor.dtype.hasobject:
+                dtype = _numpy_dtypes[tensor.dtype] = tensor.dtype.name  # (a property computed in Python: slow)
+            if dtype is not None:
+                return tensor, dtype, tensor.nbytes
+        return None
+    resolver = resolvers.get(tp)
+    if resolver is None and tensor is not None:
+        resolver = resolvers[tp] = _resolver_for(tensor)  # as ``resolve`` does
+    if resolver is not _fast_torch:
+        return None
+    if (
+        tensor.is_contiguous()
+        and tensor.device.type == "cpu"
+        and tensor.layout is _STRIDED
+        and not (tensor.is_conj() or tensor.is_neg())
+    ):
+        dtype = _torch_dtypes.get(tensor.dtype)
+        if dtype is None:
+            dtype = _torch_dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+        nbytes = tensor.numel() * tensor.element_size()
+        return _fromaddress(tensor.data_ptr(), nbytes), dtype, nbytes
+    return None
+
+
+_torch_dtypes: dict[Any, str] = {}  # torch dtype → its name as ``Memory.dtype`` gives it
+_numpy_dtypes: dict[np.dtype[Any], str] = {}  # the same for numpy
 
 
 resolvers: dict[type, Callable[[Any, bool, str], Resolved]] = {}  # package-internal: type → its resolver, filled by

@@ -13,7 +13,6 @@ from mpi4py import MPI
 __all__ = [
     "GroupMember",
     "ProcessGroup",
-    "barrier",
     "get_global_rank",
     "get_group_rank",
     "get_process_group_ranks",
@@ -204,11 +203,6 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     if pg.is_member:
         pg.live_comm("get_world_size")
     return pg.size()
-
-
-def barrier(group: ProcessGroup | None = None) -> None:
-    """Block until every member of ``group`` has called it."""
-    resolve_group(group).live_comm("barrier").Barrier()
 
 
 def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:

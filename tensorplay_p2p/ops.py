@@ -3,7 +3,8 @@
 Each call flows one way: validate the arguments (``validate``) → resolve the buffer (``buffers``,
 wrapped by ``checked`` in checked mode) → post (``Work``, ``BatchWork``) → the handle completes it.
 Blocking calls on plain host buffers stop at the MPI call (``MPI_Send``/``MPI_Recv``): no handle
-is needed when nothing remains to be done after it.
+is needed when nothing remains to be done after it.  While a torch profiler records, each op records
+its event (``profiling``): started before it is posted, ended by its after-hook when it completes.
 
 The functions here are the pure-Python engine, and the reference.  Under the compiled engine the
 public names are the C functions of ``_accel``, which take the common case themselves and hand any
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, checked, engine, errors, layouts, signals, validate, watchdog
+from . import buffers, checked, engine, errors, layouts, profiling, signals, validate, watchdog
 from .groups import GroupMember, ProcessGroup
 from .runtime import state
 from .validate import TAG_UB, check_tag, member_group, resolve_peer
@@ -31,12 +32,14 @@ _SEND_NAMES = ("dst", "group_dst")
 _RECV_NAMES = ("src", "group_src")
 _PEER_NAMES = ("peer", "group_peer")
 _PROC_NULL = MPI.PROC_NULL
+_ANY_SOURCE = MPI.ANY_SOURCE
 _BYTE = MPI.BYTE
 _Status = MPI.Status
 _WORLD = GroupMember.WORLD
 _WORLD_SIZE = MPI.COMM_WORLD.Get_size()
 _resolve = buffers.resolve
 _lookup = buffers.resolvers.get
+_profiled = profiling.active
 
 
 def _world_rank(peer: object, group: object, group_peer: object, tag: object) -> int:
@@ -62,19 +65,39 @@ def _world_peer(peer: object, group: object, group_peer: object, tag: object, wh
     return rank
 
 
-def _buffer(tensor: Any, receive: bool, what: str) -> buffers.Resolved:
-    """The resolved buffer of one op, with checked mode's header when it is on."""
+def _buffer(pg: ProcessGroup, receive: bool, tensor: Any, peer: int, what: str) -> buffers.Resolved:
+    """The resolved buffer of one op, with checked mode's header when it is on, and its profiler event when a
+    torch profiler records."""
     resolver = _lookup(type(tensor))
     resolved = (resolver or _resolve)(tensor, receive, what)
     if state.checked:
         resolved = checked.wrap(resolved, tensor, not receive)
+    if _profiled():
+        try:
+            resolved = _recorded(resolved, pg, receive, peer, tensor)
+        except BaseException:
+            buffers.release([resolved])
+            raise
     return resolved
+
+
+def _recorded(
+    resolved: buffers.Resolved, pg: ProcessGroup | None, receive: bool, peer: int, tensor: Any
+) -> buffers.Resolved:
+    """``resolved`` with the op's profiler event started, to end with its after-hook (``resolved`` unchanged if
+    starting it fails)."""
+    name = profiling.p2p_op(receive, peer == _ANY_SOURCE)
+    token = profiling.start(profiling.backend_name(pg, tensor), name, (tensor,))
+    if token is None:  # the profiler stopped meanwhile
+        return resolved
+    spec, nbytes, keep, after = resolved
+    return spec, nbytes, keep, profiling.ending(token, after)
 
 
 def _post(pg: ProcessGroup, receive: bool, tensor: Any, peer: int, tag: int, what: str) -> Work:
     """Resolve ``tensor`` and post the op."""
     try:
-        return Work(pg, receive, peer, tag, _buffer(tensor, receive, what), what)
+        return Work(pg, receive, peer, tag, _buffer(pg, receive, tensor, peer, what), what)
     finally:
         if layouts.retired:  # datatypes evicted from the cache while this op was prepared: free them now
             layouts.release_retired()
@@ -151,9 +174,10 @@ def _blocking(pg: ProcessGroup, receive: bool, tensor: Any, peer: int, tag: int,
     """A blocking send or receive; returns the sender's global rank for a receive (-1 for a send or PROC_NULL).
 
     A plain host buffer goes straight to ``MPI_Send``/``MPI_Recv`` with no handle; a Work is made only
-    when there is more to do after the MPI call (staging, packing, checked mode) or the watchdog watches.
+    when there is more to do after the MPI call (staging, packing, checked mode, a profiler event) or the watchdog
+    watches.
     """
-    resolved = _buffer(tensor, receive, what)
+    resolved = _buffer(pg, receive, tensor, peer, what)
     if resolved[3] is not None or watchdog.active:
         work = Work(pg, receive, peer, tag, resolved, what)
         work.wait()
@@ -383,6 +407,9 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
         if state.checked:
             for i, (receive, _, _, _) in enumerate(ops):
                 resolved[i] = checked.wrap(resolved[i], p2p_op_list[i][1], not receive)
+        if _profiled():  # each op's event, in order, just before the batch posts them
+            for i, (receive, peer, _, _) in enumerate(ops):
+                resolved[i] = _recorded(resolved[i], pg, receive, peer, p2p_op_list[i][1])
     except BaseException:
         buffers.release(resolved)  # nothing was posted: give back staging buffers, free checked-mode datatypes
         if layouts.retired:

@@ -22,6 +22,8 @@ __all__ = [
 
 
 ENV_CHECK = "TENSORPLAY_P2P_CHECK"
+# The number of this job's ranks on this node, as the launchers say it (Hydra, Open MPI, Slurm, MVAPICH, PMIx).
+_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
 
@@ -38,6 +40,15 @@ def env_flag(name: str, default: bool = False) -> bool:
     raise ValueError(f"{name} must be 0 or 1, not {value!r}")
 
 
+def _oversubscribed() -> bool:
+    """Whether the launcher put more ranks on this node than this process may run on cores."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value) > len(os.sched_getaffinity(0))
+    return False
+
+
 class _State:
     """The process-wide settings (package-internal, as ``state``): written only by this module's calls, and by
     tests that need a rank to behave as one in another mode."""
@@ -45,6 +56,9 @@ class _State:
     initialized = False
     timeout: float | None = None
     checked: bool = env_flag(ENV_CHECK)
+    # More ranks than cores here: a collective's wait yields the core between tests instead of spinning in MPI's
+    # wait (as Open MPI's yield_when_idle does when oversubscribed), so that the ranks it waits for can run.
+    oversubscribed: bool = _oversubscribed()
 
 
 state = _State()

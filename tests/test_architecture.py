@@ -10,9 +10,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tensorplay_p2p"
 
 
-def _load_time_imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports at load time (not under TYPE_CHECKING, not inside functions)."""
+def _module(name: str) -> bool:
+    """Whether ``name`` (``ops``, ``torch.backend``) is a module of the package."""
+    return (PACKAGE / f"{name.replace('.', '/')}.py").exists()
+
+
+def _load_time_imports(path: Path, within: str = "") -> set[str]:
+    """The package modules ``path`` imports at load time (not under TYPE_CHECKING, not inside functions); ``within``
+    is its subpackage (``torch.``) or empty, and a subpackage's modules are named as ``torch.backend``."""
     found: set[str] = set()
+    bases = {1: within, 2: ""} if within else {1: ""}  # what a relative import's dots lead to
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
@@ -21,20 +28,28 @@ def _load_time_imports(path: Path) -> set[str]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 continue
             if isinstance(child, ast.ImportFrom):
-                if child.level == 1:
-                    found.update([child.module.split(".")[0]] if child.module else [a.name for a in child.names])
-                elif child.module == "tensorplay_p2p":
-                    found.update(a.name for a in child.names if (PACKAGE / f"{a.name}.py").exists())
+                absolute = child.level == 0 and child.module == "tensorplay_p2p"
+                base = "" if absolute else bases.get(child.level)
+                if base is not None:
+                    if child.module and not absolute:
+                        found.add(base + child.module.split(".")[0])
+                    else:
+                        found.update(base + a.name for a in child.names)
             visit(child)
 
     visit(ast.parse(path.read_text(encoding="utf-8")))
-    return {name for name in found if (PACKAGE / f"{name}.py").exists()}
+    return {name for name in found if _module(name)}
 
 
 def graph() -> dict[str, set[str]]:
-    """Module → the package modules it imports at load time."""
+    """Module → the package modules it imports at load time (a subpackage's modules too, as ``torch.backend``)."""
     generated = ("__main__", "buildinfo")  # buildinfo: the install's record of the accelerator's build
-    return {path.stem: _load_time_imports(path) for path in sorted(PACKAGE.glob("*.py")) if path.stem not in generated}
+    modules = {p.stem: _load_time_imports(p) for p in sorted(PACKAGE.glob("*.py")) if p.stem not in generated}
+    for sub in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        for path in sorted(sub.glob("*.py")):
+            name = sub.name if path.stem == "__init__" else f"{sub.name}.{path.stem}"
+            modules[name] = _load_time_imports(path, f"{sub.name}.")
+    return modules
 
 
 def documented() -> dict[str, set[str]]:

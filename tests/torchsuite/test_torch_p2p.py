@@ -2,8 +2,9 @@
 
 Each pytest item is one test method of torch's ``DistributedTest._DistTestBase``, run on every rank under
 mpiexec with tensorplay_p2p as its ``dist`` (torchsuite_harness.py says how, torchsuite_shim.py what ``dist``
-holds).  The table below is every point-to-point method of that class, and a few group methods the P2P
-tests build on, each with how it runs here:
+holds; test_torch_backend.py runs torch's tests on torch.distributed itself, with the package's backend).  The
+table below is every point-to-point method of that class, and a few group methods the P2P tests build on, each
+with how it runs here:
 
 * as torch runs it for its CPU backend (``BACKEND="gloo"``), its own skip decorators honoured;
 * as a CPU rendition (``cpu=True``): an NCCL-only test whose body is meaningful on CPU tensors, run
@@ -14,22 +15,24 @@ Known differences from torch.distributed are ``xfail`` with the reason, strict w
 that a fix shows up as an XPASS to be taken out of the table.  ``test_table_covers_torch`` fails when the
 installed torch gains a point-to-point test that the table does not list.
 
-    mpiexec -n 4 python -m pytest --with-mpi -q tests/torchsuite
+    mpiexec -n 4 python -m pytest --with-mpi -q tests/torchsuite/test_torch_p2p.py
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torchsuite_harness as harness
+import torchsuite_shim as shim
+from torchsuite_harness import Case
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
 SIZE = harness.SIZE
 NO_SOURCE_RANK = harness.source_rank_missing()
+NO_PROFILER_EVENTS = not harness.package_has("profiling")
+NO_ALL_GATHER = shim.all_gather is shim.no_all_gather
 
 SOURCE_RANK = (
     "tensorplay_p2p has no Work._source_rank() (torch's: the sender's group rank after an any-source irecv; the "
@@ -47,35 +50,24 @@ NCCL_PROFILER = (
 )
 
 
-@dataclass(frozen=True)
-class Case:
-    """One torch test method and how it runs here."""
-
-    name: str
-    cpu: bool = False  # a CPU rendition of an NCCL-only test
-    helpers: tuple[str, ...] = ()  # decorated helper methods the rendition's body calls
-    min_size: int = 1
-    why: str = ""  # why min_size
-    marks: tuple[Any, ...] = field(default=())
-
-
 def _xfail(condition: bool, reason: str, **kwargs: Any) -> tuple[Any, ...]:
     return (pytest.mark.xfail(condition, reason=reason, strict=True, **kwargs),)
 
 
 def _any_source_profiler() -> tuple[Any, ...]:
-    if SIZE == 1:  # nothing is sent or profiled; the sender count at the end needs all_gather
-        return _xfail(True, ALL_GATHER, raises=NotImplementedError)
-    if NO_SOURCE_RANK:
+    if SIZE > 1 and NO_SOURCE_RANK:
         return _xfail(True, SOURCE_RANK, run=False)
-    return _xfail(True, f"{PROFILER}; and {ALL_GATHER}", raises=AssertionError)
+    if SIZE > 1 and NO_PROFILER_EVENTS:
+        return _xfail(True, PROFILER + (f"; and {ALL_GATHER}" if NO_ALL_GATHER else ""), raises=AssertionError)
+    return _xfail(NO_ALL_GATHER, ALL_GATHER, raises=NotImplementedError)
 
 
 def _profiler(name: str) -> Case:  # at one rank nothing is sent, and none of the expected events is missing
-    return Case(name, marks=_xfail(SIZE > 1, PROFILER, raises=AssertionError))
+    return Case(name, marks=_xfail(SIZE > 1 and NO_PROFILER_EVENTS, PROFILER, raises=AssertionError))
 
 
 GROUP_0_1 = "the test makes new_group([0, 1])"
+NO_SENDER = "the test asserts that each of the world_size ranks sent to the others, which one rank cannot"
 RANKS_1_2 = "the test exchanges between ranks 1 and 2"
 
 CASES = [
@@ -93,8 +85,8 @@ CASES = [
     _profiler("test_send_recv_with_tag_torch_profiler"),
     _profiler("test_isend_autograd_profiler"),
     _profiler("test_isend_torch_profiler"),
-    Case("test_send_recv_any_source_autograd_profiler", marks=_any_source_profiler()),
-    Case("test_send_recv_any_source_torch_profiler", marks=_any_source_profiler()),
+    Case("test_send_recv_any_source_autograd_profiler", min_size=2, why=NO_SENDER, marks=_any_source_profiler()),
+    Case("test_send_recv_any_source_torch_profiler", min_size=2, why=NO_SENDER, marks=_any_source_profiler()),
     # NCCL-only point-to-point tests, rendered on CPU tensors.
     Case("test_batch_isend_irecv_nccl", cpu=True),
     Case("test_batch_isend_irecv_ring_exchange_nccl", cpu=True),
@@ -115,17 +107,9 @@ CASES = [
 ]
 
 
-def _param(case: Case) -> Any:
-    marks = list(case.marks)
-    if case.min_size > SIZE:
-        marks = [pytest.mark.skip(reason=f"needs at least {case.min_size} ranks: {case.why}")]
-    return pytest.param(case, id=case.name, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [harness.param(c) for c in CASES])
 def test_distributed_test(case: Case, request: pytest.FixtureRequest) -> None:
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    harness.run(case.name, capman, cpu=case.cpu, helpers=case.helpers)
+    harness.run(case, request.config.pluginmanager.getplugin("capturemanager"))
 
 
 def _point_to_point(name: str) -> bool:
@@ -134,7 +118,7 @@ def _point_to_point(name: str) -> bool:
 
 def test_table_covers_torch() -> None:
     """Every point-to-point test method of the installed torch is in the table (a new torch may add some)."""
-    methods = {name for name, _ in inspect.getmembers(harness.TorchTestBase) if name.startswith("test_")}
+    methods = harness.test_methods()
     missing = sorted(name for name in methods if _point_to_point(name) and name not in {c.name for c in CASES})
     assert not missing, f"torch's distributed_test.py has point-to-point tests the table does not list: {missing}"
     unknown = sorted(c.name for c in CASES if c.name not in methods)

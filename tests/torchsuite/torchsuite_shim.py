@@ -5,21 +5,22 @@ torch's test methods call ``dist.<name>`` on the module global ``dist`` of distr
 tensorplay_p2p's own object, re-exported unchanged: no wrapper, no adaptation, so a difference from
 torch.distributed shows up as a test failure instead of being papered over here.
 
-The only additions are two torch collectives that the P2P tests name without being about them:
+Two torch collectives that the P2P tests name without being about them are the package's where it has them,
+else stand-ins that raise ``NotImplementedError`` when called (``no_broadcast``, ``no_all_gather``):
 
 * ``broadcast``: ``test_batch_isend_irecv_op_err`` hands it to ``P2POp`` as an op that is not isend/irecv and
   expects ``ValueError("Invalid ``op``...")``; only the function's identity matters.
 * ``all_gather``: the profiler variant of ``test_send_recv_any_source`` counts the senders with it.
 
-tensorplay_p2p has no collectives, so both raise ``NotImplementedError`` when called.  Any other
-torch.distributed name raises an ``AttributeError`` that says so (module ``__getattr__``), so a test that
-reaches for something missing fails with a message naming it.
+Any other torch.distributed name raises an ``AttributeError`` that says so (module ``__getattr__``), so a test
+that reaches for something missing fails with a message naming it.
 """
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
+import tensorplay_p2p
 from tensorplay_p2p import (
     GroupMember,
     P2POp,
@@ -74,19 +75,21 @@ __all__ = [
 
 
 def _no_collective(name: str) -> NoReturn:
-    raise NotImplementedError(
-        f"torch.distributed.{name} is a collective; tensorplay_p2p provides point-to-point operations only"
-    )
+    raise NotImplementedError(f"torch.distributed.{name} is a collective that this tensorplay_p2p does not provide")
 
 
-def broadcast(*args: Any, **kwargs: Any) -> NoReturn:
-    """torch's broadcast, which tensorplay_p2p does not provide: raises NotImplementedError."""
+def no_broadcast(*args: Any, **kwargs: Any) -> NoReturn:
+    """torch's broadcast, where tensorplay_p2p does not provide it: raises NotImplementedError."""
     _no_collective("broadcast")
 
 
-def all_gather(*args: Any, **kwargs: Any) -> NoReturn:
-    """torch's all_gather, which tensorplay_p2p does not provide: raises NotImplementedError."""
+def no_all_gather(*args: Any, **kwargs: Any) -> NoReturn:
+    """torch's all_gather, where tensorplay_p2p does not provide it: raises NotImplementedError."""
     _no_collective("all_gather")
+
+
+broadcast: Any = getattr(tensorplay_p2p, "broadcast", no_broadcast)
+all_gather: Any = getattr(tensorplay_p2p, "all_gather", no_all_gather)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,268 @@
+"""The handle of a posted collective: ``CollectiveWork``, and ``run``, which posts one and waits unless asked not to.
+
+A handle owns its state, as ``work.Work`` does: it posts its MPI requests, completes them (``MPI_Waitall`` or,
+with a timeout, ``MPI_Testall`` polled by ``work.poll``), then runs the post-steps of its staged buffers
+(``staging.Slot.finish``: AVG's division, rounding back to float16 or bfloat16, copies back into strided or device
+tensors) and gives the pooled buffers back.  A pending handle is tracked by the watchdog, named by a signal's
+report, and if dropped kept in ``work.dropped`` with its buffers until MPI is done with them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, cast
+
+from mpi4py import MPI
+
+from . import profiling, signals, watchdog, work
+from .errors import CommunicationError
+from .groups import ProcessGroup
+from .runtime import seconds, state
+from .staging import Blocks, Slot
+
+__all__ = ["CollectiveWork", "Post", "reap_stranded", "run", "stranded"]
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+_Waitall = MPI.Request.Waitall
+_Testall = MPI.Request.Testall
+_yield = os.sched_yield
+Post = Callable[[MPI.Intracomm, list[MPI.Request]], None]
+# torch's names for the profiler events of the collectives that record under another one
+_EVENTS = {
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_coalesced": "all_gather",
+    "all_to_all_single": "all_to_all",
+}
+
+
+# --- the handle ------------------------------------------------------------------------------
+
+
+class CollectiveWork:
+    """One posted collective: its MPI requests, the buffers they use, and the post-steps that finish it."""
+
+    __slots__ = (
+        "__weakref__",
+        "_detail",
+        "_exception",
+        "_group",
+        "_name",
+        "_outputs",
+        "_parts",
+        "_profiled",
+        "_requests",
+        "_root",
+        "_state",
+        "_timeout",
+        "posted",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        group: ProcessGroup,
+        root: int | None,
+        detail: tuple[str | None, str | None, int],
+        outputs: list[Any],
+        parts: Sequence[Slot | Blocks],
+        post: Post,
+        timeout: float | None = None,
+        inputs: list[Any] | None = None,
+    ) -> None:
+        """Post the collective (``post`` appends its requests); ``detail`` is (op, dtype, bytes) for descriptions,
+        ``inputs`` the tensors a profiler event shows (default: ``outputs``, for the in-place collectives).
+
+        If posting fails, what was staged is given back (a request already posted keeps it until it completes)."""
+        self._name = name
+        self._group = group
+        self._root = root  # group rank, or None
+        self._detail = detail
+        self._outputs = outputs
+        self._parts = list(parts)
+        self._timeout = timeout
+        self._requests: list[MPI.Request] = []
+        self._exception: CommunicationError | None = None
+        self._state = _FAILED
+        self._profiled = None
+        self.posted = time.monotonic()
+        if work.dropped:
+            work.reap_dropped()
+        if stranded:
+            reap_stranded()
+        comm = group.live_comm(name)
+        if profiling.active():  # the event spans post to completion, as torch's backends record it
+            shown = outputs if inputs is None else inputs
+            backend = profiling.backend_name(group, shown[0] if shown else None)
+            self._profiled = profiling.start(backend, _EVENTS.get(name, name), shown)
+        try:
+            post(comm, self._requests)
+        except MPI.Exception as exc:
+            error = CommunicationError(
+                f"{self.describe()}: posting it failed", op=name, mpi_error=exc.Get_error_string().strip()
+            )
+            self._not_posted(error)
+            raise error from exc
+        except BaseException:
+            self._not_posted(CommunicationError(f"{self.describe()}: not posted", op=name))
+            raise
+        self._state = _PENDING
+        if watchdog.active:
+            watchdog.track(self)
+
+    def _not_posted(self, error: CommunicationError) -> None:
+        self._exception = error
+        if self._requests:  # posted requests cannot be withdrawn: they keep their buffers until they complete
+            self._state = _PENDING
+        else:
+            self._settle(error)
+
+    def __del__(self) -> None:
+        if self._state == _PENDING:
+            cast("list[Any]", work.dropped).append(self)  # kept alive until MPI is done with its buffers
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the collective completes (at most ``timeout``); raise its error if it failed. Returns True."""
+        if timeout is None:
+            timeout = self._timeout
+        if self._state == _PENDING:
+            if timeout is None:
+                try:
+                    if state.oversubscribed:
+                        while not _Testall(self._requests):
+                            _yield()
+                    else:
+                        _Waitall(self._requests)
+                except MPI.Exception as exc:
+                    self._failed(exc)
+                else:
+                    self._settle(self._exception)
+            else:
+                limit = seconds(timeout, "timeout")
+                assert limit is not None
+                work.poll(self.test, limit, self._still_pending, f"{self._name}: ")
+        elif timeout is not None:
+            seconds(timeout, "timeout")  # a bad timeout is an error whatever the state
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def test(self) -> bool:
+        """Whether the collective has finished (``MPI_Testall``); completes it if so."""
+        if self._state != _PENDING:
+            return True
+        try:
+            done = _Testall(self._requests)
+        except MPI.Exception as exc:
+            self._failed(exc)
+            return True
+        if done:
+            self._settle(self._exception)
+        return bool(done)
+
+    def is_completed(self) -> bool:
+        """Whether it has finished (successfully or not), without blocking."""
+        return self.test()
+
+    def is_success(self) -> bool:
+        """Whether it has completed without error."""
+        return self.test() and self._exception is None
+
+    def exception(self) -> CommunicationError | None:
+        """The error it failed with, or None."""
+        return self._exception
+
+    def result(self) -> list[Any]:
+        """The output tensors, as torch's ``Work.result()`` gives them; they hold the result once it completed."""
+        return list(self._outputs)
+
+    def describe(self, now: float | None = None) -> str:
+        """One line naming the collective, its root, op, dtype, size and group (with ``now``, how long it waited)."""
+        op, dtype, nbytes = self._detail
+        root = "" if self._root is None else f" with root {self._group.peer_text(self._root)} (group rank {self._root})"
+        what = ", ".join([*filter(None, (op, dtype)), f"{nbytes} bytes"]) if dtype or nbytes else ""
+        waited = "" if now is None else f", pending for {now - self.posted:.1f} s"
+        return f"{self._name}{root}{f' ({what})' if what else ''} on {self._group.describe()}{waited}"
+
+    def pending_lines(self, now: float) -> list[str]:
+        """For the watchdog, signals and timeouts: this collective, if still pending."""
+        if self._state != _PENDING:
+            return []
+        return [f"{self.describe(now)}; every member of the group must call {self._name}"]
+
+    def _still_pending(self, now: float) -> list[str]:
+        return [] if self.test() else self.pending_lines(now)
+
+    def _failed(self, exc: MPI.Exception) -> None:
+        """MPI reported an error completing the requests."""
+        hint = ""
+        if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            hint = " (the ranks' tensors differ in size)"
+        error = CommunicationError(
+            f"{self.describe()} failed{hint}", op=self._name, mpi_error=exc.Get_error_string().strip()
+        )
+        if any(self._requests):  # some still active: their buffers stay alive with them, never reused
+            stranded.append((self._requests, self._parts))
+            self._parts = []
+        self._settle(error)
+
+    def _settle(self, error: CommunicationError | None) -> None:
+        """Record the outcome: run the post-steps if it succeeded, give every pooled buffer back."""
+        self._requests = []
+        parts, self._parts = self._parts, []
+        for part in parts:
+            try:
+                part.finish(error is None)
+            except Exception as exc:
+                if error is None:
+                    error = CommunicationError(f"{self.describe()}: it completed but finishing it failed: {exc!r}")
+                    error.__cause__ = exc
+        self._exception = error
+        self._state = _DONE if error is None else _FAILED
+        if watchdog.active:
+            watchdog.untrack(self)
+        if self._profiled is not None:
+            profiling.end(self._profiled)
+            self._profiled = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "completed", "failed")[self._state]
+        return f"CollectiveWork({self.describe()}, {state})"
+
+
+signals.register_wait(CollectiveWork.wait, lambda scope, now: scope["self"].pending_lines(now))
+stranded: list[tuple[list[MPI.Request], list[Any]]] = []  # package-internal: requests MPI may still use, with buffers
+
+
+def run(
+    name: str,
+    group: ProcessGroup,
+    root: int | None,
+    detail: tuple[str | None, str | None, int],
+    outputs: list[Any],
+    parts: Sequence[Slot | Blocks],
+    post: Post,
+    async_op: bool,
+    timeout: float | None = None,
+    inputs: list[Any] | None = None,
+) -> CollectiveWork | None:
+    """Post the collective; the handle with ``async_op``, else wait for it (the watchdog's rule applies) and None."""
+    handle = CollectiveWork(name, group, root, detail, outputs, parts, post, timeout, inputs)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reap_stranded() -> None:
+    """Let go of the stranded requests (and their buffers) that have completed since."""
+    kept = []
+    for requests, held in stranded:
+        try:
+            if not _Testall(requests):
+                kept.append((requests, held))
+        except MPI.Exception:
+            kept.append((requests, held))
+    stranded[:] = kept

@@ -1,0 +1,70 @@
+"""The torch.distributed benchmark (tp2p against gloo), run tiny as a 2-rank job: the structure of its output, not
+its timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_jobs import MPIEXEC, launch_flags
+
+LIMIT = 240  # seconds per job: two process groups, DDP, and a few iterations of everything
+TINY = ["--max-size", "64", "--scale", "0.01", "--reps", "3"]
+SIZES = (8, 16, 64)  # --min-size 8, --max-size 64 and the powers of 4 between
+BENCHMARKS = ("exchange", "bw", "all_reduce", "all_gather_into_tensor", "broadcast", "ddp")
+DDP_GRADIENT_BYTES = 3 * (256 * 256 + 256) * 4
+TARGETS = 5
+
+pytestmark = [
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the benchmark measures torch.distributed"),
+]
+
+
+def torchbench(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """``python -m tensorplay_p2p.torchbench`` on 2 ranks, under the time limit."""
+    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", "2", sys.executable, "-m", "tensorplay_p2p.torchbench"]
+    done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=LIMIT, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_every_benchmark_and_size_with_both_groups(tmp_path: Path) -> None:
+    """One job (torch's import on 2 ranks is most of its time): the JSON of every block, and the Markdown tables."""
+    path = tmp_path / "torchbench.json"
+    done = torchbench(*TINY, "--json", str(path), "--markdown")
+    document = json.loads(path.read_text())
+    assert document["meta"]["ranks"] == 2 and document["meta"]["torch"]
+    results = document["results"]
+    expected = {(name, size) for name in BENCHMARKS if name != "ddp" for size in SIZES}
+    assert {(r["benchmark"], r["size"]) for r in results} == expected | {("ddp", DDP_GRADIENT_BYTES)}
+    for r in results:
+        figures = [r["tp2p_us"], r["gloo_us"], r["tp2p_min_us"], r["gloo_min_us"], r["ratio"]]
+        assert all(math.isfinite(f) and f > 0 for f in figures), r
+        assert r["ratio"] == pytest.approx(r["tp2p_us"] / r["gloo_us"])
+        assert 0 < r["ratio_low"] <= r["ratio_high"]
+        assert r["ranks"] == 2 and r["blocks"] == 3 and r["iterations"] >= r["blocks"] and r["warmup"] >= 1
+        assert len(r["tp2p_blocks_us"]) == len(r["gloo_blocks_us"]) == r["blocks"]
+        bandwidths = (r["tp2p_mbps"], r["gloo_mbps"])
+        if r["benchmark"] == "ddp":
+            assert bandwidths == (None, None)
+        else:
+            assert all(b is not None and math.isfinite(b) and b > 0 for b in bandwidths), r
+    targets = document["targets"]
+    assert len(targets) == TARGETS and all(t["met"] in (True, False, None) and t["detail"] for t in targets)
+    assert targets[0]["met"] is not None  # the 8 B exchange was measured
+    assert all(t["met"] is None for t in targets[1:3])  # no size reached 64 KiB
+    # the tables on stdout (rank 0 only): one per benchmark, then the targets
+    lines = done.stdout.splitlines()
+    headings = [line.split(":")[0] for line in lines if line.startswith("### ")]
+    assert headings == [f"### {name}" for name in BENCHMARKS] + ["### Targets"], done.stdout
+    assert "| size | tp2p us | gloo us | tp2p/gloo | blocks' ratios | tp2p MB/s | gloo MB/s |" in lines
+    assert "| size | tp2p us | gloo us | tp2p/gloo | blocks' ratios |" in lines  # ddp: no bandwidth
+    assert any(line.startswith("| 8 B | ") for line in lines)
+    assert any(line.startswith("| exchange 8 B <= 0.2x gloo's time | ") for line in lines)
