@@ -11,9 +11,9 @@
 #   TP2P_CHECKED_SIZES  world sizes for the suite in checked mode, TENSORPLAY_P2P_CHECK=1 (default "3"; empty: none)
 #   TP2P_PYTHON_SIZES   world sizes for the suite on the pure-Python engine, TENSORPLAY_P2P_ACCEL=0 (default "2"; empty:
 #                       none); the other runs use the engine the install built (the compiled one where it could)
-#   TP2P_NETWORK_SIZES  world sizes for the network-path run (default "2 4"; empty to skip it)
+#   TP2P_NETWORK_SIZES  world sizes for the network-path run (default "4"; empty to skip it)
 #   TP2P_TORCH_SIZES    world sizes for torch's own P2P tests with the package as their `dist` (tests/torchsuite/
-#                       test_torch_p2p.py) and the tp2p backend's own tests (test_tp2p.py); default: TP2P_SIZES;
+#                       test_torch_p2p.py) and the tp2p backend's own tests (test_tp2p.py); default "2 3 4";
 #                       empty: none
 #   TP2P_TORCH_BACKEND_SIZES  world sizes for torch's own tests on the package's torch.distributed backend, tp2p
 #                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
@@ -35,7 +35,7 @@ root=$(dirname "$here")
 sizes=${TP2P_SIZES:-"1 2 3 4"}
 checked_sizes=${TP2P_CHECKED_SIZES-"3"}  # 3: a prime size with several peers, in one run (CI time)
 python_sizes=${TP2P_PYTHON_SIZES-"2"}
-network_sizes=${TP2P_NETWORK_SIZES-"2 4"}  # 4: any-source receives with several possible senders
+network_sizes=${TP2P_NETWORK_SIZES-"4"}  # 4: any-source receives with several possible senders (CI time: one run)
 other_mpi=${TP2P_OTHER_MPI-openmpi}
 limit=${TP2P_TIMEOUT:-300}  # the longest run takes about 1.5 minutes here; a deadlock should not cost more
 python=${PYTHON:-python}
@@ -165,10 +165,10 @@ fi
 # leaves that directory out), and the tp2p backend's own tests; they need torch and are skipped without it.  One
 # pytest run per size (the ranks load torch and distributed_test.py once):
 #   TP2P_TORCH_SIZES          test_torch_p2p.py, torch's P2P tests with this package as their `dist`, and
-#                             test_tp2p.py, the backend's own (default: the suite's sizes; empty to skip them)
+#                             test_tp2p.py, the backend's own (default "2 3 4"; empty to skip them)
 #   TP2P_TORCH_BACKEND_SIZES  test_torch_backend.py, torch's P2P, collective, group and CPU DDP tests on
 #                             torch.distributed with the package's backend, tp2p (default "3 4"; empty to skip them)
-torch_sizes=${TP2P_TORCH_SIZES-$sizes}
+torch_sizes=${TP2P_TORCH_SIZES-"2 3 4"}  # 1 rank skips nearly all of them
 torch_backend_sizes=${TP2P_TORCH_BACKEND_SIZES-"3 4"}  # 3: groups of [1, 2], odd; 4: torch's exact-4 tests
 if [ -n "$torch_sizes$torch_backend_sizes" ] && "$python" -c "import torch" 2>/dev/null; then
     for n in $(printf '%s\n' $torch_sizes $torch_backend_sizes | sort -n -u); do

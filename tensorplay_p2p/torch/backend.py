@@ -53,13 +53,14 @@ def create(options: Any, pg_options: Any = None) -> ProcessGroupTP2P:
         if owner:
             runtime.init_process_group("mpi", timeout=timeout)
         return ProcessGroupTP2P(GroupMember.WORLD, str(options.group_id), timeout, owner)
-    else:
-        pg = groups.new_group(ranks, group_desc=str(options.group_id))
-        if (pg.rank(), pg.size()) != (options.group_rank, options.group_size):
-            raise RuntimeError(
-                f"new_group(backend='tp2p'): torch numbers this rank {options.group_rank} of {options.group_size} "
-                f"in ranks {ranks}, MPI's communicator {pg.rank()} of {pg.size()}"
-            )
+    pg = groups.new_group(ranks, group_desc=str(options.group_id))
+    if (pg.rank(), pg.size()) != (options.group_rank, options.group_size):
+        mine = (pg.rank(), pg.size())
+        runtime.destroy_process_group(pg)
+        raise RuntimeError(
+            f"new_group(backend='tp2p'): torch numbers this rank {options.group_rank} of {options.group_size} "
+            f"in ranks {ranks}, MPI's communicator {mine[0]} of {mine[1]}"
+        )
     return ProcessGroupTP2P(pg, str(options.group_id), _explicit(options.timeout), True)
 
 

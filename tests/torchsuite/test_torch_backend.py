@@ -5,7 +5,9 @@ mpiexec with torch.distributed itself as its ``dist`` and the process group on t
 backend, ``tp2p`` (tensorplay_p2p.torch; torchsuite_harness.py says how).  ``TP2P_TORCHSUITE_BACKEND=gloo`` runs
 the same table on gloo, the baseline: what this harness makes of torch's CPU backend.
 
-The table lists every method of the families below, each with how it runs here:
+The table lists every method of the families below (``FAMILIES`` and the point-to-point tests), the group calls,
+and the CPU tests of DistributedDataParallel that take well under a second (the others need GPUs), each with how
+it runs here:
 
 * as torch runs it for its CPU backend (``BACKEND="gloo"``), its own skip decorators honoured (torch's CUDA
   variants among them skip here: no CUDA device, or not NCCL);
@@ -84,27 +86,13 @@ def _skip(reason: str) -> tuple[Any, ...]:
     return (pytest.mark.skip(reason=reason),)
 
 
-# The tp2p backend records no torch profiler events yet: every test that counts them fails (one switch, to flip
-# when it does; the XPASSes then say which entries no longer fail).
-TP2P_EVENTS = True
-EVENTS = (
-    ()
-    if TP2P_EVENTS
-    else _xfail(
-        "tp2p",
-        "the backend records no torch profiler events: torch's process groups record one per op, named "
-        "'<backend>:<op>' (tp2p:send, tp2p:recv, tp2p:recvAnySource, tp2p:all_reduce, tp2p:broadcast...), async, "
-        "with the tensors' shapes; the test counts none (AssertionError)",
-        raises=AssertionError,
-    )
-)
 TP2P_V = (
-    "{} takes equal sizes only: ValueError '{}: {}[1] holds 72 elements; it must hold 36 (...)' (at 3 ranks); torch "
-    "runs the test for NCCL, which takes unequal ones"
+    "{} takes equal sizes only: ValueError '{}: {}[i] holds N elements; it must hold M (...)' on each rank whose "
+    "tensors differ in size from the others'; torch runs the test for NCCL, which takes unequal ones"
 )
 TP2P_BARRIER_TIMEOUT = (
-    "the barrier's timeout raises 'barrier: timed out after 1 s with 1 op(s) pending ...' (RuntimeError), which "
-    "torch's pattern ' (Timed out|closed|timeout) ' does not match (AssertionError from assertRaisesRegex)"
+    "the barrier times out, with CommunicationTimeout 'barrier: timed out after N s with 1 op(s) pending ...', "
+    "which torch's pattern ' (Timed out|closed|timeout) ' does not match (AssertionError from assertRaisesRegex)"
 )
 TORCH_MONITORED = (
     "torch.distributed.monitored_barrier itself raises ValueError('monitored_barrier is only implemented for GLOO "
@@ -123,7 +111,6 @@ MONITORED = _xfail("tp2p", TORCH_MONITORED, raises=ValueError)
 
 GROUP_1_2 = "the test makes new_group([1, 2])"
 RANKS_1_2_MISS = "the test has ranks 1 and 2 miss the barrier"
-GROUP_0_1 = "the test makes new_group([0, 1])"
 RANKS_1_2 = "the test exchanges between ranks 1 and 2"
 NCCL_PROFILER = (
     "not rendered on CPU: the NCCL send/recv body under the profiler; its CPU counterparts are "
@@ -137,11 +124,7 @@ GLOO_ALLTOALL = (
     "ProcessGroupGloo::alltoall takes equal sizes only (RuntimeError 'invalid tensor size at index 1'); torch "
     "runs this test for MPI only"
 )
-GLOO_ALLTOALL_GROUP = f"{GLOO_ALLTOALL}; rank 0, outside the group, then times out in the test's barrier"
-GLOO_SELF = (
-    "ProcessGroupGloo has no pair to its own rank: a send to self raises RuntimeError 'Pair is not connected' "
-    "(not run: the other ranks would wait in the test's barrier for its 10 s timeout)"
-)
+GLOO_SELF = "ProcessGroupGloo has no pair to its own rank: a send to self raises RuntimeError 'Pair is not connected'"
 GLOO_ALLGATHER_V = "ProcessGroupGloo::allgather takes equal sizes only (RuntimeError 'invalid tensor size at index 1')"
 GLOO_STACKED = (
     "ProcessGroupGloo's {} takes the concatenated tensor only: the stacked one (one more dimension) fails its "
@@ -157,17 +140,17 @@ CASES = [
     Case("test_irecv"),
     Case("test_batch_isend_irecv_gloo"),
     Case("test_batch_isend_irecv_gloo_tags"),
-    Case("test_send_recv_autograd_profiler", marks=EVENTS),
-    Case("test_send_recv_torch_profiler", marks=EVENTS),
-    Case("test_send_recv_with_tag_autograd_profiler", marks=EVENTS),
-    Case("test_send_recv_with_tag_torch_profiler", marks=EVENTS),
-    Case("test_isend_autograd_profiler", marks=EVENTS),
-    Case("test_isend_torch_profiler", marks=EVENTS),
-    Case("test_send_recv_any_source_autograd_profiler", marks=EVENTS),
-    Case("test_send_recv_any_source_torch_profiler", marks=EVENTS),
-    Case("test_batch_isend_irecv_nccl", cpu=True, marks=_xfail("gloo", GLOO_SELF, run=False)),
+    Case("test_send_recv_autograd_profiler"),
+    Case("test_send_recv_torch_profiler"),
+    Case("test_send_recv_with_tag_autograd_profiler"),
+    Case("test_send_recv_with_tag_torch_profiler"),
+    Case("test_isend_autograd_profiler"),
+    Case("test_isend_torch_profiler"),
+    Case("test_send_recv_any_source_autograd_profiler"),
+    Case("test_send_recv_any_source_torch_profiler"),
+    Case("test_batch_isend_irecv_nccl", cpu=True, marks=_xfail("gloo", GLOO_SELF, raises=RuntimeError)),
     Case("test_batch_isend_irecv_ring_exchange_nccl", cpu=True),
-    Case("test_batch_isend_irecv_self_nccl", cpu=True, marks=_xfail("gloo", GLOO_SELF, run=False)),
+    Case("test_batch_isend_irecv_self_nccl", cpu=True, marks=_xfail("gloo", GLOO_SELF, raises=RuntimeError)),
     Case("test_batch_isend_irecv_no_rank_zero_nccl", cpu=True, min_size=3, why=RANKS_1_2),
     Case("test_batch_isend_irecv_op_err", cpu=True),
     Case("test_batch_isend_irecv_op_list_err", cpu=True),
@@ -191,57 +174,57 @@ CASES = [
     Case("test_new_subgroups_by_enumeration_negative_input_rank", cpu=True),
     Case("test_new_subgroups_overlap_not_allowed", cpu=True),
     # all_reduce.
-    Case("test_all_reduce_sum", marks=EVENTS),
-    Case("test_all_reduce_product", marks=EVENTS),
-    Case("test_all_reduce_min", marks=EVENTS),
-    Case("test_all_reduce_max", marks=EVENTS),
-    Case("test_all_reduce_sum_async", marks=EVENTS),
-    Case("test_all_reduce_sum_complex", marks=EVENTS),
+    Case("test_all_reduce_sum"),
+    Case("test_all_reduce_product"),
+    Case("test_all_reduce_min"),
+    Case("test_all_reduce_max"),
+    Case("test_all_reduce_sum_async"),
+    Case("test_all_reduce_sum_complex"),
     Case("test_all_reduce_complex_unsupported_ops"),
-    Case("test_all_reduce_group_sum", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_group_product", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_group_min", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_group_max", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_full_group_sum", marks=EVENTS),
-    Case("test_all_reduce_full_group_product", marks=EVENTS),
-    Case("test_all_reduce_full_group_min", marks=EVENTS),
-    Case("test_all_reduce_full_group_max", marks=EVENTS),
-    Case("test_all_reduce_coalesced_sum", marks=EVENTS),
-    Case("test_all_reduce_coalesced_product", marks=EVENTS),
-    Case("test_all_reduce_coalesced_min", marks=EVENTS),
-    Case("test_all_reduce_coalesced_max", marks=EVENTS),
+    Case("test_all_reduce_group_sum", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_group_product", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_group_min", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_group_max", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_full_group_sum"),
+    Case("test_all_reduce_full_group_product"),
+    Case("test_all_reduce_full_group_min"),
+    Case("test_all_reduce_full_group_max"),
+    Case("test_all_reduce_coalesced_sum"),
+    Case("test_all_reduce_coalesced_product"),
+    Case("test_all_reduce_coalesced_min"),
+    Case("test_all_reduce_coalesced_max"),
     Case("test_all_reduce_coalesced_max_complex_unsupported"),
-    Case("test_all_reduce_coalesced_group_sum", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_coalesced_group_product", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_coalesced_group_min", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_coalesced_group_max", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_reduce_coalesced_full_group_sum", marks=EVENTS),
-    Case("test_all_reduce_coalesced_full_group_product", marks=EVENTS),
-    Case("test_all_reduce_coalesced_full_group_min", marks=EVENTS),
-    Case("test_all_reduce_coalesced_full_group_max", marks=EVENTS),
+    Case("test_all_reduce_coalesced_group_sum", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_coalesced_group_product", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_coalesced_group_min", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_coalesced_group_max", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_reduce_coalesced_full_group_sum"),
+    Case("test_all_reduce_coalesced_full_group_product"),
+    Case("test_all_reduce_coalesced_full_group_min"),
+    Case("test_all_reduce_coalesced_full_group_max"),
     Case("test_all_reduce_sum_cuda"),
     Case("test_all_reduce_sum_cuda_async"),
     Case("test_all_reduce_sum_cuda_complex"),
     # broadcast.
-    Case("test_broadcast", marks=EVENTS),
-    Case("test_broadcast_group", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_broadcast_full_group", marks=EVENTS),
+    Case("test_broadcast"),
+    Case("test_broadcast_group", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_broadcast_full_group"),
     Case("test_broadcast_cuda"),
     Case("test_broadcast_object_list"),  # torch skips it
     # reduce and reduce_scatter.
-    Case("test_reduce_sum", marks=EVENTS),
-    Case("test_reduce_product", marks=EVENTS),
-    Case("test_reduce_min", marks=EVENTS),
-    Case("test_reduce_max", marks=EVENTS),
-    Case("test_reduce_sum_twice", marks=EVENTS),
-    Case("test_reduce_group_sum", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_reduce_group_product", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_reduce_group_min", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_reduce_group_max", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_reduce_full_group_sum", marks=EVENTS),
-    Case("test_reduce_full_group_product", marks=EVENTS),
-    Case("test_reduce_full_group_min", marks=EVENTS),
-    Case("test_reduce_full_group_max", marks=EVENTS),
+    Case("test_reduce_sum"),
+    Case("test_reduce_product"),
+    Case("test_reduce_min"),
+    Case("test_reduce_max"),
+    Case("test_reduce_sum_twice"),
+    Case("test_reduce_group_sum", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_reduce_group_product", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_reduce_group_min", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_reduce_group_max", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_reduce_full_group_sum"),
+    Case("test_reduce_full_group_product"),
+    Case("test_reduce_full_group_min"),
+    Case("test_reduce_full_group_max"),
     Case("test_reduce_sum_cuda"),
     Case("test_reduce_sum_cuda_twice"),
     Case(
@@ -255,10 +238,10 @@ CASES = [
         marks=_xfail("tp2p", TP2P_V.format("reduce_scatter", "reduce_scatter", "input_list"), raises=ValueError),
     ),
     # all_gather, all_gather_into_tensor, all_gather_coalesced, all_gather_object.
-    Case("test_all_gather", marks=EVENTS),
-    Case("test_all_gather_complex", marks=EVENTS),
-    Case("test_all_gather_group", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_gather_full_group", marks=EVENTS),
+    Case("test_all_gather"),
+    Case("test_all_gather_complex"),
+    Case("test_all_gather_group", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_gather_full_group"),
     Case("test_all_gather_cuda"),
     Case("test_all_gather_cuda_complex"),
     Case(
@@ -275,11 +258,11 @@ CASES = [
         cpu=True,
         marks=_xfail("gloo", GLOO_STACKED.format("all_gather_into_tensor"), raises=RuntimeError),
     ),
-    Case("test_all_gather_coalesced_simple", marks=EVENTS),
-    Case("test_all_gather_coalesced_complex", marks=EVENTS),
-    Case("test_all_gather_coalesced_group", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_gather_coalesced_full_group", marks=EVENTS),
-    Case("test_all_gather_coalesced_with_empty", marks=EVENTS),
+    Case("test_all_gather_coalesced_simple"),
+    Case("test_all_gather_coalesced_complex"),
+    Case("test_all_gather_coalesced_group", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_gather_coalesced_full_group"),
+    Case("test_all_gather_coalesced_with_empty"),
     Case("test_all_gather_object_default_pg"),
     Case("test_all_gather_object_subgroup"),
     # gather and scatter.
@@ -299,10 +282,10 @@ CASES = [
     Case("test_scatter_cuda_complex"),
     Case("test_scatter_object_list"),
     # all_to_all and all_to_all_single: torch runs the CPU tests for MPI only.
-    Case("test_all_to_all_single_equal_split", mpi=True, marks=EVENTS),
-    Case("test_all_to_all_single_equal_split_complex", mpi=True, marks=EVENTS),
-    Case("test_all_to_all_single_equal_split_group", mpi=True, min_size=3, why=GROUP_1_2, marks=EVENTS),
-    Case("test_all_to_all_single_equal_split_full_group", mpi=True, marks=EVENTS),
+    Case("test_all_to_all_single_equal_split", mpi=True),
+    Case("test_all_to_all_single_equal_split_complex", mpi=True),
+    Case("test_all_to_all_single_equal_split_group", mpi=True, min_size=3, why=GROUP_1_2),
+    Case("test_all_to_all_single_equal_split_full_group", mpi=True),
     Case("test_all_to_all_single_unequal_split", mpi=True),
     Case("test_all_to_all_single_unequal_split_complex", mpi=True),
     Case("test_all_to_all_single_unequal_split_group", mpi=True, min_size=3, why=GROUP_1_2),
@@ -314,7 +297,7 @@ CASES = [
         mpi=True,
         min_size=3,
         why=GROUP_1_2,
-        marks=_xfail("gloo", GLOO_ALLTOALL_GROUP, raises=RuntimeError, run=False),
+        marks=_xfail("gloo", GLOO_ALLTOALL, raises=RuntimeError),
     ),
     Case("test_all_to_all_full_group", mpi=True, marks=_xfail("gloo", GLOO_ALLTOALL, raises=RuntimeError)),
     Case("test_all_to_all_cuda"),

@@ -1,7 +1,8 @@
-"""The ``dist`` that torch's distributed_test.py sees when it runs here: tensorplay_p2p itself.
+"""The ``dist`` that torch's distributed_test.py sees in test_torch_p2p.py: tensorplay_p2p itself.
 
 torch's test methods call ``dist.<name>`` on the module global ``dist`` of distributed_test.py; the harness
-(torchsuite_harness.py) points that global at this module.  Every name the point-to-point tests touch is
+(torchsuite_harness.py) points that global at this module for the package's tests (and at torch.distributed for
+test_torch_backend.py's).  Every name the point-to-point tests touch is
 tensorplay_p2p's own object, re-exported unchanged: no wrapper, no adaptation, so a difference from
 torch.distributed shows up as a test failure instead of being papered over here.
 
