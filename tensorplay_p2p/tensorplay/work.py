@@ -1,0 +1,72 @@
+"""``MPIWork``: what a TensorPlay MPI group's call returns (TensorPlay wraps it in its own ``Work``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["MPIWork"]
+
+
+class MPIWork:
+    """One call's work: completes its handles (a P2P op or collectives of this package) in ``wait``."""
+
+    __slots__ = ("_handles", "_limit", "_receive", "_result", "_source", "op_name")
+
+    def __init__(
+        self, op_name: str, handles: Sequence[Any], result: list[Any], limit: float | None, receive: bool = False
+    ) -> None:
+        """``handles`` posted for ``op_name``; ``result`` the output tensors; ``limit`` the call's timeout in seconds
+        (None: none); ``receive``: a receive, whose ``source_rank()`` names the sender."""
+        self.op_name = op_name
+        self._handles = handles
+        self._result = result
+        self._limit = limit
+        self._receive = receive
+        self._source = -1
+
+    def wait(self, timeout: int = -1) -> bool:
+        """Complete the call within ``timeout`` ms (-1: the call's own timeout); raise its error (a
+        ``CommunicationTimeout`` naming what is pending if time runs out, the call left posted). Returns True."""
+        limit = self._limit if timeout < 0 else timeout / 1000
+        if limit is None:
+            for handle in self._handles:
+                handle.wait()
+        else:
+            deadline = time.monotonic() + limit
+            for handle in self._handles:
+                handle.wait(max(0.0, deadline - time.monotonic()))
+        if self._receive:
+            self._source = self._handles[0]._source_rank()
+        self._handles = ()  # done: TensorPlay keeps every P2P work until its group ends, so this holds nothing more
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether every part has finished, successfully or not (tests it, without blocking)."""
+        return all(handle.is_completed() for handle in self._handles)
+
+    def is_success(self) -> bool:
+        """Whether every part has finished without error."""
+        return all(handle.is_success() for handle in self._handles)
+
+    def exception(self) -> BaseException | None:
+        """The first part's error, or None."""
+        for handle in self._handles:
+            error = handle.exception()
+            if error is not None:
+                return error  # type: ignore[no-any-return]
+        return None
+
+    def result(self) -> list[Any]:
+        """The output tensors (the received, reduced or gathered ones)."""
+        return self._result
+
+    def source_rank(self) -> int:
+        """The sender's rank in the group, after an any-source receive has completed (-1 before)."""
+        if self._receive and self._handles and self._handles[0].is_completed():
+            return self._handles[0]._source_rank()  # type: ignore[no-any-return]
+        return self._source
+
+    def __repr__(self) -> str:
+        return f"MPIWork({self.op_name!r}, completed={self.is_completed()})"
