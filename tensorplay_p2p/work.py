@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .buffers import Resolved
 
 
-__all__ = ["BatchWork", "Receipt", "Work", "dropped", "finish_dropped_at_exit", "poll", "reap_dropped"]
+__all__ = ["BatchWork", "Composite", "Receipt", "Work", "dropped", "finish_dropped_at_exit", "poll", "reap_dropped"]
 
 
 class _Fields:
@@ -169,6 +169,33 @@ def poll(test: Callable[[], bool], timeout: float, pending: Callable[[float], li
             raise errors.timeout_error(what, timeout, lines)
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+
+
+# --- a framework's work over several handles ------------------------------------------------------
+
+
+class Composite:
+    """The completion queries of one call made of this package's handles (``handles``: P2P works or collective
+    works), for the works a framework's process group returns (torch's ``TP2PWork``, TensorPlay's ``MPIWork``)."""
+
+    __slots__ = ()
+    handles: Sequence[Any]
+
+    def is_completed(self) -> bool:
+        """Whether every part has finished, successfully or not (tests it, without blocking)."""
+        return all(handle.is_completed() for handle in self.handles)
+
+    def is_success(self) -> bool:
+        """Whether every part has finished without error."""
+        return all(handle.is_success() for handle in self.handles)
+
+    def exception(self) -> BaseException | None:
+        """The first part's error, or None."""
+        for handle in self.handles:
+            error = handle.exception()
+            if error is not None:
+                return error  # type: ignore[no-any-return]
+        return None
 
 
 # --- one op ----------------------------------------------------------------------------------

@@ -6,13 +6,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..work import Composite
+
 __all__ = ["MPIWork"]
 
 
-class MPIWork:
+class MPIWork(Composite):
     """One call's work: completes its handles (a P2P op or collectives of this package) in ``wait``."""
 
-    __slots__ = ("_handles", "_limit", "_receive", "_result", "_source", "op_name")
+    __slots__ = ("_limit", "_receive", "_result", "_source", "handles", "op_name")
 
     def __init__(
         self, op_name: str, handles: Sequence[Any], result: list[Any], limit: float | None, receive: bool = False
@@ -20,7 +22,7 @@ class MPIWork:
         """``handles`` posted for ``op_name``; ``result`` the output tensors; ``limit`` the call's timeout in seconds
         (None: none); ``receive``: a receive, whose ``source_rank()`` names the sender."""
         self.op_name = op_name
-        self._handles = handles
+        self.handles = handles
         self._result = result
         self._limit = limit
         self._receive = receive
@@ -31,32 +33,16 @@ class MPIWork:
         ``CommunicationTimeout`` naming what is pending if time runs out, the call left posted). Returns True."""
         limit = self._limit if timeout < 0 else timeout / 1000
         if limit is None:
-            for handle in self._handles:
+            for handle in self.handles:
                 handle.wait()
         else:
             deadline = time.monotonic() + limit
-            for handle in self._handles:
+            for handle in self.handles:
                 handle.wait(max(0.0, deadline - time.monotonic()))
         if self._receive:
-            self._source = self._handles[0]._source_rank()
-        self._handles = ()  # done: TensorPlay keeps every P2P work until its group ends, so this holds nothing more
+            self._source = self.handles[0]._source_rank()
+        self.handles = ()  # done: TensorPlay keeps every P2P work until its group ends, so this holds nothing more
         return True
-
-    def is_completed(self) -> bool:
-        """Whether every part has finished, successfully or not (tests it, without blocking)."""
-        return all(handle.is_completed() for handle in self._handles)
-
-    def is_success(self) -> bool:
-        """Whether every part has finished without error."""
-        return all(handle.is_success() for handle in self._handles)
-
-    def exception(self) -> BaseException | None:
-        """The first part's error, or None."""
-        for handle in self._handles:
-            error = handle.exception()
-            if error is not None:
-                return error  # type: ignore[no-any-return]
-        return None
 
     def result(self) -> list[Any]:
         """The output tensors (the received, reduced or gathered ones)."""
@@ -64,8 +50,8 @@ class MPIWork:
 
     def source_rank(self) -> int:
         """The sender's rank in the group, after an any-source receive has completed (-1 before)."""
-        if self._receive and self._handles and self._handles[0].is_completed():
-            return self._handles[0]._source_rank()  # type: ignore[no-any-return]
+        if self._receive and self.handles and self.handles[0].is_completed():
+            return self.handles[0]._source_rank()  # type: ignore[no-any-return]
         return self._source
 
     def __repr__(self) -> str:

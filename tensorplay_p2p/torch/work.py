@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..work import Composite
+
 if TYPE_CHECKING:
     from .backend import ProcessGroupTP2P
 
@@ -17,21 +19,21 @@ __all__ = ["TP2PWork"]
 _NO_TIMEOUT = timedelta(0)  # what torch passes for "no timeout given"
 
 
-class TP2PWork(dist.Work):
+class TP2PWork(Composite, dist.Work):
     """One call's work: completes its handles (a P2P op or collectives of this package) in ``wait``."""
 
     def __init__(self, what: str, handles: Sequence[Any], result: list[Any], group: ProcessGroupTP2P) -> None:
         """``handles`` posted for ``what`` on ``group``; ``result`` the tensors ``result()`` and the future give."""
         super().__init__()
         self._what = what
-        self._handles = handles
+        self.handles = handles
         self._result = result
         self._group = group
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
         """Complete the call (within ``timeout``, else the group's, else none); raise its error. Returns True."""
         limit = self._group.timeout if timeout == _NO_TIMEOUT else timeout.total_seconds()
-        for handle in self._handles:
+        for handle in self.handles:
             handle.wait(limit)
         return True
 
@@ -43,22 +45,6 @@ class TP2PWork(dist.Work):
         """As ``wait()``."""
         self.wait()
 
-    def is_completed(self) -> bool:
-        """Whether every part has finished (tests it, without blocking)."""
-        return all(handle.is_completed() for handle in self._handles)
-
-    def is_success(self) -> bool:
-        """Whether every part has finished without error."""
-        return all(handle.is_success() for handle in self._handles)
-
-    def exception(self) -> BaseException | None:
-        """The first part's error, or None."""
-        for handle in self._handles:
-            error = handle.exception()
-            if error is not None:
-                return error  # type: ignore[no-any-return]
-        return None
-
     def result(self) -> list[Any]:
         """The output tensors (torch's convention: the reduced tensor, the gathered list, ...)."""
         return self._result
@@ -68,7 +54,7 @@ class TP2PWork(dist.Work):
         return self._source_rank()
 
     def _source_rank(self) -> int:
-        return self._handles[0]._source_rank()  # type: ignore[no-any-return]
+        return self.handles[0]._source_rank()  # type: ignore[no-any-return]
 
     def get_future(self) -> torch.futures.Future[list[Any]]:
         """A future of ``result()``; MPI progresses in ``wait``, so the call is completed here first."""

@@ -17,29 +17,17 @@ import os
 from pathlib import Path
 
 import pytest
+from namedsuite import NamedSuite
 
-HERE = Path(__file__).resolve().parent
-
-
-def _inside(path: Path) -> bool:
-    return path == HERE or HERE in path.parents
-
-
-def _named(config: pytest.Config) -> bool:
-    if os.environ.get("TP2P_TENSORPLAYSUITE", "") == "1":
-        return True
-    base = config.invocation_params.dir
-    return any(_inside((base / str(arg).split("::")[0]).resolve()) for arg in config.args)
+SUITE = NamedSuite(Path(__file__).parent, "TP2P_TENSORPLAYSUITE")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if _inside(collection_path.resolve()) and not _named(config):
-        return True
-    return None
+    return SUITE.ignore_collect(collection_path, config)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    if not _named(config):
+    if not SUITE.named(config):
         return []
     spec = importlib.util.find_spec("tensorplay")
     where = os.path.dirname(spec.origin) if spec is not None and spec.origin else "not installed: the suite is skipped"

@@ -12,29 +12,17 @@ import os
 from pathlib import Path
 
 import pytest
+from namedsuite import NamedSuite
 
-HERE = Path(__file__).resolve().parent
-
-
-def _inside(path: Path) -> bool:
-    return path == HERE or HERE in path.parents
-
-
-def _named(config: pytest.Config) -> bool:
-    if os.environ.get("TP2P_TORCHSUITE", "") == "1":
-        return True
-    base = config.invocation_params.dir
-    return any(_inside((base / str(arg).split("::")[0]).resolve()) for arg in config.args)
+SUITE = NamedSuite(Path(__file__).parent, "TP2P_TORCHSUITE")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if _inside(collection_path.resolve()) and not _named(config):
-        return True
-    return None
+    return SUITE.ignore_collect(collection_path, config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _named(config):  # loading distributed_test.py scripts modules with torch.jit, which warns on every use
+    if SUITE.named(config):  # loading distributed_test.py scripts modules with torch.jit, which warns on every use
         config.addinivalue_line("filterwarnings", r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
         # pytest's own tracebacks parse the source of each frame's module, distributed_test.py's 11,000 lines among
         # them, for every failure and every xfail (which it formats too): about a second each with several ranks
