@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_jobs import bounded, launch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -68,13 +67,6 @@ def _collect() -> list[pytest.ParameterSet]:
 BLOCKS = _collect()
 
 
-def launch_flags() -> list[str]:
-    version = subprocess.run([MPIEXEC or "mpiexec", "--version"], capture_output=True, text=True).stdout.lower()
-    if "open mpi" in version or "open-rte" in version:
-        return ["--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
-    return []
-
-
 def run_block(tmp_path: Path, code: str) -> tuple[int | None, str]:
     """Run ``code`` on RANKS ranks; returns (exit status or None if it ran past LIMIT, output)."""
     script = tmp_path / "block.py"
@@ -82,22 +74,8 @@ def run_block(tmp_path: Path, code: str) -> tuple[int | None, str]:
     command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(RANKS), sys.executable, "-m", "tensorplay_p2p.run"]
     # The blocks set what they need themselves; a variable from the caller's shell must not change them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORPLAY_P2P_")}
-    job = subprocess.Popen(
-        [*command, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        start_new_session=True,  # so that a hung job is ended with all of its ranks
-    )
-    try:
-        output, _ = job.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        return None, output
-    return job.returncode, output
+    status, output, _ = bounded([*command, str(script)], tmp_path, env, LIMIT)
+    return status, output
 
 
 def test_the_documents_have_python_blocks() -> None:

@@ -29,6 +29,28 @@ def launch_flags() -> list[str]:
     return []
 
 
+def bounded(command: list[str], cwd: Path, env: dict[str, str], limit: float) -> tuple[int | None, str, float]:
+    """Run ``command`` (an mpiexec line) for at most ``limit`` seconds: (exit status, or None if it ran past the
+    limit and was killed with all of its ranks; stdout and stderr together; seconds)."""
+    start = time.monotonic()
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,  # so that a hung job is ended with all of its ranks
+    )
+    try:
+        output, _ = job.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        return None, output, time.monotonic() - start
+    return job.returncode, output, time.monotonic() - start
+
+
 def run_job(tmp_path: Path, ranks: int, code: str, *, launcher: bool = True, env: dict[str, str] | None = None):
     """Run ``code`` as a script on ``ranks`` ranks; returns (exit status, seconds, stderr)."""
     script = tmp_path / "job.py"

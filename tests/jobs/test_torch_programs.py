@@ -13,14 +13,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from test_jobs import MPIEXEC, launch_flags
+from test_jobs import MPIEXEC, bounded, launch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / "tests" / "torchprograms"
@@ -43,23 +40,8 @@ PROGRAMS_AT = {2: ("pipeline", "ddp", "fsdp2"), 3: ("ddp", "fsdp2"), 4: ("pipeli
 def run_job(tmp_path: Path, ranks: int, *argv: str) -> tuple[int | None, str, float]:
     """``python argv...`` on ``ranks`` ranks: (exit status, or None past LIMIT; output; seconds)."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
-    start = time.monotonic()
-    job = subprocess.Popen(
-        [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,  # not the checkout, whose sources have no compiled engine
-        env=env,
-        start_new_session=True,  # so that a hung job is ended with all of its ranks
-    )
-    try:
-        output, _ = job.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        return None, output, time.monotonic() - start
-    return job.returncode, output, time.monotonic() - start
+    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable, *argv]
+    return bounded(command, tmp_path, env, LIMIT)  # in tmp_path, not the checkout, whose sources have no engine
 
 
 def passed(output: str, program: str = "") -> list[int]:
