@@ -1,31 +1,46 @@
-"""torch.distributed on the ``tp2p`` backend against gloo, side by side: P2P, collectives and a DDP step.
+"""torch.distributed on the ``tp2p`` backend against gloo, side by side: P2P, collectives and a DDP step; the same for
+TensorPlay's ``tensorplay.distributed``, its ``mpi`` backend (this package) against its gloo.
 
-    mpiexec -n 2 python -m tensorplay_p2p.torchbench [--max-size 16M] [--scale 0.25] [--json PATH] [--markdown]
+    mpiexec -n 2 python -m tensorplay_p2p.torchbench [--framework {torch,tensorplay}] [--max-size 16M] [--scale 0.25]
+                                                     [--json PATH] [--markdown]
 
-One job (2 ranks or more) holds both groups: the default group on ``tp2p`` (``init_process_group("tp2p")``) and a
-gloo group over the same ranks (``new_group(backend="gloo")``).  Each benchmark, at each size, runs on both,
-interleaved as in ``tensorplay_p2p.bench``: warm-up, then blocks of iterations, the two groups taking turns in an
-order shuffled each block (the same on every rank); a block's time is its slowest rank's, and the figure is the
-median over blocks.  Benchmarks:
+One job (2 ranks or more) holds both groups: the default group on this package and a gloo group over the same ranks
+(``new_group(backend="gloo")``).  ``--framework`` (``FRAMEWORKS``) says whose: ``torch`` (the default) starts the
+default group with ``init_process_group("tp2p")`` after ``import tensorplay_p2p.torch``; ``tensorplay`` with
+``init_process_group("mpi")`` after ``import tensorplay_p2p.tensorplay`` (TensorPlay 1.0.0; under an "mpi" default
+group the MPI rendezvous provides the TCPStore that its gloo group needs).  Every benchmark is the same code on
+both: the framework gives the dist module, the tensors, the DDP model and the name of our side in the tables,
+``tp2p`` or ``mpi``.  Each benchmark, at each size, runs on both groups, interleaved as in ``tensorplay_p2p.bench``:
+warm-up, then blocks of iterations, the two groups taking turns in an order shuffled each block (the same on every
+rank); a block's time is its slowest rank's, and the figure is the median over blocks.  Benchmarks:
 
 - ``exchange``: ``batch_isend_irecv([P2POp(irecv), P2POp(isend)])`` with the peer, each work waited (ranks 0 and 1)
 - ``bw``: osu_bw: a window of 64 ``isend`` (``irecv`` on the receiver), each waited, then a 4-byte ack (ranks 0 and 1)
 - ``all_reduce`` (SUM, float32), ``all_gather_into_tensor`` (size: each rank's input) and ``broadcast`` (from rank 0)
 - ``ddp``: one forward + backward + SGD step of a 3-layer MLP (width 256, batch 32) under DistributedDataParallel
+  (TensorPlay's is ``tensorplay.nn.parallel.distributed.DistributedDataParallel``)
+
+TensorPlay keeps every P2P work of a group in a list until the group ends (about 360 bytes an op, and a longer list
+to walk); leaving a ``with group:`` block releases them.  So on TensorPlay each iteration of ``exchange`` and ``bw``
+runs in ``with group:``, on both groups alike, and the benchmark's memory stays flat; the block's exit is timed with
+the iteration.  torch's groups hold no such list, and its iterations run in a ``contextlib.nullcontext()`` instead.
 
 The sizes are ``--min-size``, ``--max-size`` and the powers of ``--step`` between them (8 B, 16 B, 64 B ... 16 MiB
 by default).  Iteration counts follow OSU (``--scale 0.25`` runs a quarter of them).  The table shows each group's
-median time, the ratio tp2p/gloo of the times (lower is better), the quartiles of the blocks' own ratios (how much
+median time, the ratio ours/gloo of the times (lower is better), the quartiles of the blocks' own ratios (how much
 the ratio moved during the run) and bandwidths in MB/s (1e6 bytes): what each side sends per second for P2P,
 nccl-tests' bus bandwidth for collectives; then whether the product's targets are met.
-``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  torch
-runs one intra-op thread per rank (``--threads``), as one rank per core would.  torch is imported inside the functions
-only: the package does not need it.
+``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
+names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...): for TensorPlay
+those are the figures of its ``mpi`` backend on this package; ``meta.config.framework`` says which, and
+``meta.<framework>`` gives its version.  The framework runs one intra-op thread per rank (``--threads``), as one rank
+per core would.  torch and TensorPlay are imported inside the functions only: the package does not need them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
@@ -34,6 +49,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,16 +58,72 @@ from mpi4py import MPI
 
 from . import bench
 
-__all__ = ["BENCHMARKS", "IMPLS", "Config", "Result", "Target", "main", "parse_args", "run", "targets"]
+__all__ = [
+    "BENCHMARKS",
+    "FRAMEWORKS",
+    "IMPLS",
+    "Config",
+    "Framework",
+    "Result",
+    "Target",
+    "main",
+    "parse_args",
+    "run",
+    "targets",
+]
 
 COMM = MPI.COMM_WORLD
-IMPLS = ("tp2p", "gloo")
+IMPLS = ("tp2p", "gloo")  # our side (its name in the JSON, whatever the framework) and gloo
 FLOAT_BYTES = 4  # collectives run on float32
 COLLECTIVE_COUNTS = {"small": (1_000, 100), "large": (100, 10)}  # (iterations, warm-up), as OSU's collectives
 DDP_COUNTS = {"small": (200, 10), "large": (200, 10)}  # (steps, warm-up steps)
 DDP_WIDTH, DDP_LAYERS, DDP_BATCH = 256, 3, 32
-EXCHANGE_TARGET = 0.2  # tp2p's 8 B exchange at most this share of gloo's time
-BANDWIDTH_FROM = 64 << 10  # from this message size up, tp2p's bandwidth at least gloo's
+EXCHANGE_TARGET = 0.2  # our 8 B exchange at most this share of gloo's time
+BANDWIDTH_FROM = 64 << 10  # from this message size up, our bandwidth at least gloo's
+
+
+# --- the frameworks ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Framework:
+    """A framework the benchmark measures: all that differs between them (the benchmarks are the same code)."""
+
+    name: str  # its package, ``torch`` or ``tensorplay``; ``<name>.distributed`` is its dist module
+    ours: str  # the backend of its default group, this package: init_process_group's argument and our tables' name
+    backend: str  # the module of this package that puts ``ours`` on the package, imported before init_process_group
+    ddp: str  # the module that holds its DistributedDataParallel
+    scoped_p2p: bool  # its groups keep every P2P work until a ``with group:`` ends: run each P2P iteration in one
+    install: str  # how to install it (the message where it is missing)
+
+    def lib(self) -> Any:
+        """Its package (imported)."""
+        return importlib.import_module(self.name)
+
+    def dist(self) -> Any:
+        """Its ``distributed`` module (imported)."""
+        return importlib.import_module(f"{self.name}.distributed")
+
+    def p2p_scope(self, group: Any) -> AbstractContextManager[Any]:
+        """What each P2P iteration on ``group`` runs in: the group itself where that releases its P2P works."""
+        return group if self.scoped_p2p else contextlib.nullcontext()
+
+
+FRAMEWORKS = {
+    f.name: f
+    for f in (
+        # tensorplay_p2p.torch registers tp2p (torch's autoload does too, unless turned off)
+        Framework("torch", "tp2p", "tensorplay_p2p.torch", "torch.nn.parallel", False, "pip install torch"),
+        Framework(
+            "tensorplay",
+            "mpi",
+            "tensorplay_p2p.tensorplay",  # installs the package as TensorPlay's MPI backend (TensorPlay 1.0.0 only)
+            "tensorplay.nn.parallel.distributed",  # tensorplay.nn.parallel.DistributedDataParallel: None on CPU
+            True,
+            "pip install tensorplay==1.0.0",
+        ),
+    )
+}
 
 
 # --- configuration ----------------------------------------------------------------------
@@ -68,6 +140,7 @@ class Config:
     threads: int = 1
     json: Path | None = None
     markdown: bool = False
+    framework: str = "torch"  # a key of FRAMEWORKS
 
 
 def sizes_between(low: int, high: int, step: int) -> tuple[int, ...]:
@@ -84,10 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m tensorplay_p2p.torchbench``."""
     parser = argparse.ArgumentParser(
         prog="python -m tensorplay_p2p.torchbench",
-        description="torch.distributed on the tp2p backend against gloo in the same job: P2P, collectives and a "
-        "DDP step, interleaved (run under mpiexec, 2 ranks or more; rank 0 prints the tables).",
+        description="torch.distributed on the tp2p backend against gloo in the same job (or TensorPlay's mpi "
+        "backend on this package against its gloo: --framework tensorplay): P2P, collectives and a DDP step, "
+        "interleaved (run under mpiexec, 2 ranks or more; rank 0 prints the tables).",
     )
     add = parser.add_argument
+    add(
+        "--framework",
+        choices=tuple(FRAMEWORKS),
+        default="torch",
+        help="torch: torch.distributed, tp2p against gloo; tensorplay: tensorplay.distributed, mpi against gloo "
+        "(default torch)",
+    )
     add(
         "--benchmarks",
         type=bench.comma_list(tuple(BENCHMARKS)),
@@ -100,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--step", type=int, default=4, metavar="K", help="sizes between: the powers of K (default 4)")
     add("--reps", type=int, default=10, metavar="N", help="interleaved timing blocks per measurement (default 10)")
     add("--scale", type=float, default=1.0, metavar="F", help="scale OSU's iteration counts by F (default 1)")
-    add("--threads", type=int, default=1, metavar="N", help="torch's intra-op threads per rank (default 1)")
+    add("--threads", type=int, default=1, metavar="N", help="the framework's intra-op threads per rank (default 1)")
     add("--json", type=Path, default=None, metavar="PATH", help="write every figure and the targets here (rank 0)")
     add("--markdown", action="store_true", help="print the tables as Markdown (for BENCHMARKS.md)")
     return parser
@@ -126,6 +207,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         threads=args.threads,
         json=args.json,
         markdown=args.markdown,
+        framework=args.framework,
     )
 
 
@@ -134,13 +216,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 @dataclass(frozen=True)
 class Context:
-    """State shared by a run: configuration, this rank, torch.distributed and the two groups."""
+    """State shared by a run: configuration, this rank, the framework, its dist module and the two groups."""
 
     config: Config
     rank: int
     ranks: int
-    dist: Any  # torch.distributed
-    groups: dict[str, Any]  # "tp2p": the default group, "gloo": new_group(backend="gloo")
+    framework: Framework
+    lib: Any  # torch or tensorplay
+    dist: Any  # torch.distributed or tensorplay.distributed
+    groups: dict[str, Any]  # "tp2p": the default group (ours, on this package), "gloo": new_group(backend="gloo")
 
 
 Builder = Callable[[Context, Any, int], bench.Loop]  # (context, group, size) -> the loop on that group
@@ -177,12 +261,12 @@ class Result:
     iterations: int  # timed iterations of each group
     warmup: int
     blocks: int
-    tp2p_us: float  # median over blocks of the time per iteration
+    tp2p_us: float  # median over blocks of the time per iteration (tp2p_*: our side, TensorPlay's mpi included)
     gloo_us: float
     tp2p_min_us: float
     gloo_min_us: float
     ratio: float  # tp2p_us / gloo_us: lower is better
-    ratio_low: float  # the quartiles of the blocks' own ratios (tp2p's block / gloo's block of the same turn):
+    ratio_low: float  # the quartiles of the blocks' own ratios (our block / gloo's block of the same turn):
     ratio_high: float  # how far the ratio moved within the run
     tp2p_mbps: float | None
     gloo_mbps: float | None
@@ -202,62 +286,59 @@ class Target:
 # --- tensors ------------------------------------------------------------------------------
 
 
-def filled(size: int) -> Any:
-    """A uint8 send tensor of ``size`` bytes holding this rank's id."""
-    import torch
-
-    return torch.full((size,), COMM.Get_rank() % 251, dtype=torch.uint8)
+def filled(lib: Any, size: int) -> Any:
+    """A uint8 send tensor of ``lib`` (torch or tensorplay) of ``size`` bytes holding this rank's id."""
+    return lib.full((size,), COMM.Get_rank() % 251, dtype=lib.uint8)
 
 
-def empty(size: int) -> Any:
+def empty(lib: Any, size: int) -> Any:
     """A uint8 receive tensor of ``size`` bytes."""
-    import torch
-
-    return torch.empty(size, dtype=torch.uint8)
+    return lib.empty(size, dtype=lib.uint8)
 
 
-def zeros(size: int) -> Any:
+def zeros(lib: Any, size: int) -> Any:
     """A float32 tensor of ``size`` bytes of zeros (a SUM of zeros stays finite however often it runs)."""
-    import torch
-
-    return torch.zeros(size // FLOAT_BYTES, dtype=torch.float32)
+    return lib.zeros(size // FLOAT_BYTES, dtype=lib.float32)
 
 
 # --- P2P ---------------------------------------------------------------------------------
 
 
 def exchange_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
-    """batch_isend_irecv of a new irecv and isend P2POp with the peer, each work waited."""
-    dist, peer = ctx.dist, 1 - ctx.rank
-    out, into = filled(size), empty(size)
+    """batch_isend_irecv of a new irecv and isend P2POp with the peer, each work waited (in the group's P2P scope)."""
+    dist, peer, scope = ctx.dist, 1 - ctx.rank, ctx.framework.p2p_scope(group)
+    out, into = filled(ctx.lib, size), empty(ctx.lib, size)
 
     def body(n: int) -> None:
         for _ in range(n):
-            ops = [dist.P2POp(dist.irecv, into, peer, group), dist.P2POp(dist.isend, out, peer, group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with scope:
+                ops = [dist.P2POp(dist.irecv, into, peer, group), dist.P2POp(dist.isend, out, peer, group)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
 
     return bench.Loop(bench.timed(body))
 
 
 def bw_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
-    """osu_bw: a window of isend (irecv on rank 1), each waited, then an ack back."""
-    dist, peer, leader = ctx.dist, 1 - ctx.rank, ctx.rank == 0
-    data, ack = (filled(size) if leader else empty(size)), empty(bench.ACK_BYTES)
+    """osu_bw: a window of isend (irecv on rank 1), each waited, then an ack back (in the group's P2P scope)."""
+    dist, peer, leader, scope = ctx.dist, 1 - ctx.rank, ctx.rank == 0, ctx.framework.p2p_scope(group)
+    lib = ctx.lib
+    data, ack = (filled(lib, size) if leader else empty(lib, size)), empty(lib, bench.ACK_BYTES)
     tag, ack_tag = bench.DATA_TAG, bench.ACK_TAG
 
     def body(n: int) -> None:
         for _ in range(n):
-            if leader:
-                works = [dist.isend(data, peer, group=group, tag=tag) for _ in range(bench.WINDOW)]
-                for work in works:
-                    work.wait()
-                dist.recv(ack, peer, group=group, tag=ack_tag)
-            else:
-                works = [dist.irecv(data, peer, group=group, tag=tag) for _ in range(bench.WINDOW)]
-                for work in works:
-                    work.wait()
-                dist.send(ack, peer, group=group, tag=ack_tag)
+            with scope:
+                if leader:
+                    works = [dist.isend(data, peer, group=group, tag=tag) for _ in range(bench.WINDOW)]
+                    for work in works:
+                        work.wait()
+                    dist.recv(ack, peer, group=group, tag=ack_tag)
+                else:
+                    works = [dist.irecv(data, peer, group=group, tag=tag) for _ in range(bench.WINDOW)]
+                    for work in works:
+                        work.wait()
+                    dist.send(ack, peer, group=group, tag=ack_tag)
 
     return bench.Loop(bench.timed(body))
 
@@ -267,7 +348,7 @@ def bw_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
 
 def all_reduce_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
     """all_reduce(SUM) of a float32 tensor of ``size`` bytes."""
-    dist, tensor = ctx.dist, zeros(size)
+    dist, tensor = ctx.dist, zeros(ctx.lib, size)
 
     def body(n: int) -> None:
         for _ in range(n):
@@ -278,7 +359,7 @@ def all_reduce_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
 
 def all_gather_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
     """all_gather_into_tensor of ``size`` bytes from each rank."""
-    dist, tensor, output = ctx.dist, zeros(size), zeros(size * ctx.ranks)
+    dist, tensor, output = ctx.dist, zeros(ctx.lib, size), zeros(ctx.lib, size * ctx.ranks)
     # torch 2.13 calls it deprecated (for all_gather_single); the benchmark measures the name users call
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
@@ -291,7 +372,7 @@ def all_gather_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
 
 def broadcast_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
     """broadcast of ``size`` bytes from rank 0."""
-    dist, tensor = ctx.dist, zeros(size)
+    dist, tensor = ctx.dist, zeros(ctx.lib, size)
 
     def body(n: int) -> None:
         for _ in range(n):
@@ -303,13 +384,11 @@ def broadcast_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
 # --- DDP -----------------------------------------------------------------------------------
 
 
-def ddp_model() -> Any:
-    """The MLP of the DDP step: DDP_LAYERS Linear layers of width DDP_WIDTH with ReLU between, the same weights on
-    every rank and for every group."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
+def ddp_model(framework: Framework) -> Any:
+    """The MLP of the DDP step, a ``framework`` module: DDP_LAYERS Linear layers of width DDP_WIDTH with ReLU between,
+    the same weights on every rank and for every group."""
+    nn = importlib.import_module(f"{framework.name}.nn")
+    framework.lib().manual_seed(0)
     layers: list[Any] = []
     for i in range(DDP_LAYERS):
         layers += [nn.Linear(DDP_WIDTH, DDP_WIDTH)] + ([nn.ReLU()] if i < DDP_LAYERS - 1 else [])
@@ -322,20 +401,20 @@ def ddp_gradient_bytes() -> int:
 
 
 def ddp_loop(ctx: Context, group: Any, size: int) -> bench.Loop:
-    """forward + backward + SGD step under DistributedDataParallel on ``group``, this rank's batch."""
-    import torch
-    import torch.nn.functional as F  # noqa: N812 (torch's spelling)
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(ddp_model(), process_group=group)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(1 + ctx.rank)
-    x = torch.randn(DDP_BATCH, DDP_WIDTH, generator=generator)
-    y = torch.randn(DDP_BATCH, DDP_WIDTH, generator=generator)
+    """forward + backward + SGD step under the framework's DistributedDataParallel on ``group``, this rank's batch."""
+    framework, lib = ctx.framework, ctx.lib
+    functional = importlib.import_module(f"{framework.name}.nn.functional")
+    parallel = importlib.import_module(framework.ddp)
+    model = parallel.DistributedDataParallel(ddp_model(framework), process_group=group)
+    optimizer = importlib.import_module(f"{framework.name}.optim").SGD(model.parameters(), lr=1e-3)
+    generator = lib.Generator()
+    generator.manual_seed(1 + ctx.rank)  # (TensorPlay's returns the seed, torch's the generator)
+    x = lib.randn(DDP_BATCH, DDP_WIDTH, generator=generator)
+    y = lib.randn(DDP_BATCH, DDP_WIDTH, generator=generator)
 
     def body(n: int) -> None:
         for _ in range(n):
-            loss: Any = F.mse_loss(model(x), y)
+            loss: Any = functional.mse_loss(model(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -475,20 +554,20 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def start(config: Config) -> tuple[Any, dict[str, Any], bool]:
-    """torch.distributed with the default group on tp2p and a gloo group over the same ranks; whether we
-    initialised the default group (and so destroy it at the end)."""
-    import torch
-
-    dist: Any = importlib.import_module("torch.distributed")
-    importlib.import_module("tensorplay_p2p.torch")  # registers tp2p (torch's autoload does too, unless turned off)
-    torch.set_num_threads(config.threads)
+    """The framework's dist module with the default group on this package (tp2p, or TensorPlay's mpi) and a gloo
+    group over the same ranks; whether we initialised the default group (and so destroy it at the end)."""
+    framework = FRAMEWORKS[config.framework]
+    lib, dist = framework.lib(), framework.dist()
+    importlib.import_module(framework.backend)
+    lib.set_num_threads(config.threads)
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("tp2p")
-    elif dist.get_backend() != "tp2p":
+        dist.init_process_group(framework.ours)
+    elif dist.get_backend() != framework.ours:
         raise RuntimeError(
-            f"torchbench: torch.distributed's default group is on {dist.get_backend()!r}; the benchmark needs it on "
-            "'tp2p': run it in a fresh job (it calls init_process_group('tp2p') itself)"
+            f"torchbench: {framework.name}.distributed's default group is on {dist.get_backend()!r}; the benchmark "
+            f"needs it on {framework.ours!r}: run it in a fresh job (it calls init_process_group({framework.ours!r}) "
+            "itself)"
         )
     gloo = dist.new_group(backend="gloo")
     return dist, {"tp2p": dist.group.WORLD, "gloo": gloo}, started
@@ -497,7 +576,8 @@ def start(config: Config) -> tuple[Any, dict[str, Any], bool]:
 def run(config: Config) -> list[Result]:
     """Run every chosen benchmark at every size on both groups (collective); rank 0 gets the results, the others []."""
     dist, groups, started = start(config)
-    ctx = Context(config, dist.get_rank(), dist.get_world_size(), dist, groups)
+    framework = FRAMEWORKS[config.framework]
+    ctx = Context(config, dist.get_rank(), dist.get_world_size(), framework, framework.lib(), dist, groups)
     plan = []
     for name in config.benchmarks:
         benchmark = BENCHMARKS[name]
@@ -510,7 +590,7 @@ def run(config: Config) -> list[Result]:
         for i, (benchmark, size) in enumerate(plan):
             result = measure(ctx, benchmark, size)
             if result is not None:
-                bench.say(f"[{i + 1:>{len(str(len(plan)))}}/{len(plan)}] {progress_line(result)}")
+                bench.say(f"[{i + 1:>{len(str(len(plan)))}}/{len(plan)}] {progress_line(result, framework.ours)}")
                 results.append(result)
     finally:
         dist.destroy_process_group(groups["gloo"])
@@ -522,8 +602,8 @@ def run(config: Config) -> list[Result]:
 # --- targets ------------------------------------------------------------------------------
 
 
-def targets(results: Sequence[Result]) -> list[Target]:
-    """The product's targets, judged on this run's medians."""
+def targets(results: Sequence[Result], ours: str = "tp2p") -> list[Target]:
+    """The product's targets, judged on this run's medians; ``ours``: our side's name (tp2p, or TensorPlay's mpi)."""
     rows: dict[str, list[Result]] = {}
     for r in results:
         rows.setdefault(r.benchmark, []).append(r)
@@ -537,12 +617,12 @@ def targets(results: Sequence[Result]) -> list[Target]:
         span = (
             f"{worst.ratio:.3g}x" if len(picked) == 1 else f"{best:.3g}-{worst.ratio:.3g}x, worst at {size_text(worst)}"
         )
-        return Target(label, worst.ratio <= 1.0, f"tp2p/gloo time {span}")
+        return Target(label, worst.ratio <= 1.0, f"{ours}/gloo time {span}")
 
     label = f"exchange 8 B <= {EXCHANGE_TARGET:g}x gloo's time"
     small = [r for r in rows.get("exchange", []) if r.size == 8]
     exchange = (
-        Target(label, small[0].ratio <= EXCHANGE_TARGET, f"tp2p/gloo time {small[0].ratio:.3g}x")
+        Target(label, small[0].ratio <= EXCHANGE_TARGET, f"{ours}/gloo time {small[0].ratio:.3g}x")
         if small
         else Target(label, None, "not measured")
     )
@@ -577,11 +657,11 @@ def figure(value: float | None) -> str:
     return "-" if value is None else bench.format_figure(value)
 
 
-def progress_line(result: Result) -> str:
-    """One measurement, for the progress display."""
+def progress_line(result: Result, ours: str = "tp2p") -> str:
+    """One measurement, for the progress display; ``ours``: our side's name."""
     return (
-        f"{result.benchmark} {size_text(result)}: tp2p {figure(result.tp2p_us)} us, gloo {figure(result.gloo_us)} us, "
-        f"tp2p/gloo {result.ratio:.3g}"
+        f"{result.benchmark} {size_text(result)}: {ours} {figure(result.tp2p_us)} us, "
+        f"gloo {figure(result.gloo_us)} us, {ours}/gloo {result.ratio:.3g}"
     )
 
 
@@ -597,12 +677,12 @@ def layout(lines: list[list[str]], markdown: bool, figures: bool = True) -> str:
     return "\n".join("  ".join(justify(c, w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
-def format_table(benchmark: Benchmark, rows: list[Result], markdown: bool) -> str:
-    """One benchmark's table: a row per size."""
-    title = f"{benchmark.name}: {benchmark.iteration}; median time per iteration, us; ratio = tp2p/gloo time"
-    header = ["size", "tp2p us", "gloo us", "tp2p/gloo", "blocks' ratios"]
+def format_table(benchmark: Benchmark, rows: list[Result], markdown: bool, ours: str = "tp2p") -> str:
+    """One benchmark's table: a row per size; ``ours``: our side's name."""
+    title = f"{benchmark.name}: {benchmark.iteration}; median time per iteration, us; ratio = {ours}/gloo time"
+    header = ["size", f"{ours} us", "gloo us", f"{ours}/gloo", "blocks' ratios"]
     if benchmark.moved is not None:
-        header += ["tp2p MB/s", "gloo MB/s"]
+        header += [f"{ours} MB/s", "gloo MB/s"]
     lines = [header]
     for r in rows:
         cells = [
@@ -628,35 +708,35 @@ def format_targets(found: list[Target], markdown: bool) -> str:
     return f"### Targets\n\n{table}" if markdown else f"## Targets\n{table}"
 
 
-def format_report(results: list[Result], markdown: bool = False) -> str:
-    """Every benchmark's table, then the targets."""
+def format_report(results: list[Result], markdown: bool = False, ours: str = "tp2p") -> str:
+    """Every benchmark's table, then the targets; ``ours``: our side's name (tp2p, or TensorPlay's mpi)."""
     if not results:
         return "no results (see the messages above)"
     tables = []
     for name, benchmark in BENCHMARKS.items():
         rows = [r for r in results if r.benchmark == name]
         if rows:
-            tables.append(format_table(benchmark, rows, markdown))
+            tables.append(format_table(benchmark, rows, markdown, ours))
     first = results[0]
     heading = (
         f"{first.ranks} ranks; {first.blocks} interleaved blocks per figure, median of the slowest rank's; "
-        "blocks' ratios: the quartiles of each block's tp2p/gloo, how much the ratio moved"
+        f"blocks' ratios: the quartiles of each block's {ours}/gloo, how much the ratio moved"
     )
-    return "\n\n".join([heading, *tables, format_targets(targets(results), markdown)])
+    return "\n\n".join([heading, *tables, format_targets(targets(results, ours), markdown)])
 
 
 def describe_run(config: Config, argv: Sequence[str] | None) -> dict[str, Any]:
-    """Where and how the figures were taken."""
-    import torch
-
+    """Where and how the figures were taken (``<framework>``: its version)."""
     from . import engine
+
+    framework = FRAMEWORKS[config.framework]
 
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": ["python", "-m", "tensorplay_p2p.torchbench", *(sys.argv[1:] if argv is None else argv)],
         "ranks": COMM.Get_size(),
         "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
-        "torch": torch.__version__,
+        framework.name: framework.lib().__version__,
         "python": platform.python_version(),
         "engine": engine.name,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -666,20 +746,22 @@ def describe_run(config: Config, argv: Sequence[str] | None) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: measure, print the tables (rank 0), write the JSON; returns the exit status."""
     config = parse_args(argv)
+    framework = FRAMEWORKS[config.framework]
     try:
-        importlib.import_module("torch")
+        framework.lib()
+        importlib.import_module(framework.backend)  # TensorPlay's refuses (an ImportError) all but TensorPlay 1.0.0
     except ImportError as exc:
-        bench.say(f"torchbench needs torch ({exc}); install it, e.g. pip install torch")
+        bench.say(f"torchbench needs {framework.name} ({exc}); install it, e.g. {framework.install}")
         return 2
     meta = describe_run(config, argv)
     results = run(config)
     if COMM.Get_rank() == 0:
-        print(format_report(results, config.markdown), flush=True)
+        print(format_report(results, config.markdown, framework.ours), flush=True)
         if config.json is not None:
             document = {
                 "meta": meta,
                 "results": [asdict(r) for r in results],
-                "targets": [asdict(t) for t in targets(results)],
+                "targets": [asdict(t) for t in targets(results, framework.ours)],
             }
             config.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
             bench.say(f"wrote {config.json}")

@@ -1,8 +1,10 @@
-"""The torch.distributed benchmark (tp2p against gloo), run tiny as a 2-rank job: the structure of its output, not
-its timings."""
+"""The torch.distributed benchmark (tp2p against gloo), and the same for TensorPlay (its mpi backend on this package
+against its gloo, ``--framework tensorplay``), each run tiny as a 2-rank job: the structure of its output, not its
+timings."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -10,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_jobs import MPIEXEC, launch_flags
@@ -20,11 +23,20 @@ SIZES = (8, 16, 64)  # --min-size 8, --max-size 64 and the powers of 4 between
 BENCHMARKS = ("exchange", "bw", "all_reduce", "all_gather_into_tensor", "broadcast", "ddp")
 DDP_GRADIENT_BYTES = 3 * (256 * 256 + 256) * 4
 TARGETS = 5
+# tensorplay_p2p.tensorplay's SUPPORTED_VERSION (importing the module would install the backend in this process)
+TENSORPLAY_VERSION = "1.0.0"
 
-pytestmark = [
-    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found"),
-    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the benchmark measures torch.distributed"),
-]
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+
+def tensorplay_version() -> str | None:
+    """The installed TensorPlay's version, without its local part; None where it is not installed."""
+    if importlib.util.find_spec("tensorplay") is None:
+        return None
+    try:
+        return importlib.metadata.version("tensorplay").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def torchbench(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -35,12 +47,10 @@ def torchbench(*arguments: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def test_every_benchmark_and_size_with_both_groups(tmp_path: Path) -> None:
-    """One job (torch's import on 2 ranks is most of its time): the JSON of every block, and the Markdown tables."""
-    path = tmp_path / "torchbench.json"
-    done = torchbench(*TINY, "--json", str(path), "--markdown")
-    document = json.loads(path.read_text())
-    assert document["meta"]["ranks"] == 2 and document["meta"]["torch"]
+def check_report(document: dict[str, Any], stdout: str, ours: str) -> None:
+    """The JSON of a tiny run (every benchmark, every size, every block) and its Markdown tables, ``ours`` naming our
+    side in the tables (the JSON's fields are ``tp2p_*`` whatever the framework)."""
+    assert document["meta"]["ranks"] == 2
     results = document["results"]
     expected = {(name, size) for name in BENCHMARKS if name != "ddp" for size in SIZES}
     assert {(r["benchmark"], r["size"]) for r in results} == expected | {("ddp", DDP_GRADIENT_BYTES)}
@@ -60,11 +70,38 @@ def test_every_benchmark_and_size_with_both_groups(tmp_path: Path) -> None:
     assert len(targets) == TARGETS and all(t["met"] in (True, False, None) and t["detail"] for t in targets)
     assert targets[0]["met"] is not None  # the 8 B exchange was measured
     assert all(t["met"] is None for t in targets[1:3])  # no size reached 64 KiB
+    assert all(t["detail"].startswith(f"{ours}/gloo time ") for t in targets if t["met"] is not None)
     # the tables on stdout (rank 0 only): one per benchmark, then the targets
-    lines = done.stdout.splitlines()
+    lines = stdout.splitlines()
     headings = [line.split(":")[0] for line in lines if line.startswith("### ")]
-    assert headings == [f"### {name}" for name in BENCHMARKS] + ["### Targets"], done.stdout
-    assert "| size | tp2p us | gloo us | tp2p/gloo | blocks' ratios | tp2p MB/s | gloo MB/s |" in lines
-    assert "| size | tp2p us | gloo us | tp2p/gloo | blocks' ratios |" in lines  # ddp: no bandwidth
+    assert headings == [f"### {name}" for name in BENCHMARKS] + ["### Targets"], stdout
+    assert f"| size | {ours} us | gloo us | {ours}/gloo | blocks' ratios | {ours} MB/s | gloo MB/s |" in lines
+    assert f"| size | {ours} us | gloo us | {ours}/gloo | blocks' ratios |" in lines  # ddp: no bandwidth
     assert any(line.startswith("| 8 B | ") for line in lines)
     assert any(line.startswith("| exchange 8 B <= 0.2x gloo's time | ") for line in lines)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the benchmark measures torch.distributed")
+def test_every_benchmark_and_size_with_both_groups(tmp_path: Path) -> None:
+    """One job (torch's import on 2 ranks is most of its time): the JSON of every block, and the Markdown tables."""
+    path = tmp_path / "torchbench.json"
+    done = torchbench(*TINY, "--json", str(path), "--markdown")
+    document = json.loads(path.read_text())
+    assert document["meta"]["torch"]
+    check_report(document, done.stdout, "tp2p")
+
+
+@pytest.mark.skipif(
+    tensorplay_version() != TENSORPLAY_VERSION,
+    reason=f"--framework tensorplay needs TensorPlay {TENSORPLAY_VERSION} (its mpi backend on this package)",
+)
+def test_tensorplay_mpi_against_its_gloo(tmp_path: Path) -> None:
+    """The same job on TensorPlay: its mpi backend (this package) against its gloo, every benchmark and size, DDP
+    included; each ratio a positive number (the timings themselves are not judged)."""
+    path = tmp_path / "torchbench.json"
+    done = torchbench("--framework", "tensorplay", *TINY, "--json", str(path), "--markdown")
+    document = json.loads(path.read_text())
+    assert document["meta"]["tensorplay"].split("+")[0] == TENSORPLAY_VERSION and "torch" not in document["meta"]
+    assert document["meta"]["config"]["framework"] == "tensorplay"
+    check_report(document, done.stdout, "mpi")
+    assert "tp2p" not in done.stdout  # our side is TensorPlay's mpi throughout the tables
