@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -9,12 +10,17 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["GRACE", "abort_job"]
+__all__ = ["GRACE", "STUCK", "abort_job"]
 
 # MPI_Abort makes the launcher tear the job down at once; MPICH's hydra and Open MPI's prted may
 # drop whatever the rank wrote last if it is still in the pipe, so the rank lingers this long
 # after flushing to let the launcher forward its report before the job is killed.
 GRACE = 0.5
+# MPI_Abort ends the job within milliseconds, but called from a thread while the main thread is inside a blocking
+# MPI wait it has been seen, rarely, to hang after printing its message, the rank spinning on.  A rank still alive
+# this many seconds after calling it exits by itself (``os._exit``), and the launcher ends the job as for any rank
+# that exits with an error.
+STUCK = 2.0
 
 
 def abort_job(report: str, code: int) -> None:
@@ -27,5 +33,8 @@ def abort_job(report: str, code: int) -> None:
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized():
         time.sleep(GRACE)
+        fallback = threading.Timer(STUCK, os._exit, args=(code,))
+        fallback.daemon = True
+        fallback.start()
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)

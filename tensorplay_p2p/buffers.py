@@ -370,9 +370,15 @@ def _fast_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:
     return _resolve_memory(_numpy_memory(a, writable, what), writable, what)  # the checks, with their messages
 
 
+def _torch_plain(t: Any) -> bool:
+    """Whether a torch tensor is a contiguous, strided (dense) CPU one with no conjugate or negative bit."""
+    plain = t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg())
+    return bool(plain and t.layout is _STRIDED)
+
+
 def _fast_torch(t: Any, writable: bool, what: str) -> Resolved:
     """``place``'s contiguous case for a CPU torch tensor, made lean; any other goes the whole way."""
-    if t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg()) and t.layout is _STRIDED:
+    if _torch_plain(t):
         nbytes = t.numel() * t.element_size()
         return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
     return _resolve_memory(_torch_memory(t, writable, what), writable, what)
@@ -411,12 +417,7 @@ def host_contiguous(tensor: Any) -> tuple[Any, str, int] | None:
             return None
         dtype = _tensorplay_dtype(tensor)
     elif resolver is _fast_torch:
-        if not (
-            tensor.is_contiguous()
-            and tensor.device.type == "cpu"
-            and tensor.layout is _STRIDED
-            and not (tensor.is_conj() or tensor.is_neg())
-        ):
+        if not _torch_plain(tensor):
             return None
         dtype = _torch_dtypes.get(tensor.dtype)
         if dtype is None:

@@ -263,10 +263,11 @@ def _world_ranks(ranks: Iterable[object], what: str, sort: bool = True) -> list[
     for r in members:
         if not 0 <= r < world_size:
             raise ValueError(f"{what}: rank {r} is out of range for a world of size {world_size}")
-    for a, b in itertools.pairwise(sorted(members)):
+    ordered = sorted(members)
+    for a, b in itertools.pairwise(ordered):
         if a == b:
             raise ValueError(f"{what}: rank {a} appears more than once")
-    return sorted(members) if sort else members
+    return ordered if sort else members
 
 
 def _register(comm: MPI.Intracomm, name: str) -> ProcessGroup:

@@ -246,3 +246,24 @@ def test_a_dropped_operation_pending_at_exit_is_named(tmp_path: Path) -> None:
     assert status == 0, output  # a warning, not a failure
     assert "rank 0 exits with 1 operation(s) still pending whose Work was dropped without wait()" in output, output
     assert "irecv from rank 1 (group rank 1), tag 4, 24 bytes, group 'WORLD', pending for 2." in output
+
+
+def test_a_rank_whose_mpi_abort_hangs_still_ends(tmp_path: Path) -> None:
+    """``abort_job``'s fallback: an ``MPI_Abort`` that never returns (stood in for here) ends the rank anyway."""
+    from tensorplay_p2p import abort
+
+    code = textwrap.dedent(
+        """
+        import threading, types
+        import tensorplay_p2p.abort as abort
+        never = types.SimpleNamespace(Abort=lambda code: threading.Event().wait())
+        abort.MPI = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_WORLD=never)
+        abort.abort_job("the report\\n", 7)
+        """
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    assert done.returncode == 7, done.stdout + done.stderr
+    assert done.stderr.startswith("the report"), done.stderr
+    assert abort.GRACE + abort.STUCK <= seconds < abort.GRACE + abort.STUCK + 30, seconds
