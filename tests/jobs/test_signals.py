@@ -7,12 +7,14 @@ checks the exit status, the time from the signal to the end, and every rank's re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -94,18 +96,23 @@ def wait_ready(job: subprocess.Popen[str], tmp_path: Path, ranks: int) -> list[i
     return [int((tmp_path / f"ready.{r}").read_text()) for r in range(ranks)]
 
 
-def finish(job: subprocess.Popen[str], signalled: float) -> tuple[int, float, str]:
-    """Exit status, seconds from the signal to the end, and the output."""
+def finish(job: subprocess.Popen[str], signalled: float, pids: list[int]) -> tuple[int, float, str]:
+    """Exit status, seconds from the signal to the end, and the output; ``pids`` are the ranks'."""
     try:
         output = job.communicate(timeout=LIMIT)[0]
     except subprocess.TimeoutExpired:
-        _kill(job)
+        _kill(job, pids)
         pytest.fail("the job ignored the signal until the test's time limit")
     return job.returncode, time.monotonic() - signalled, output
 
 
-def _kill(job: subprocess.Popen[str]) -> None:
+def _kill(job: subprocess.Popen[str], pids: Sequence[int] = ()) -> None:
+    """End the job: the launcher's process group, and the ranks, which the launcher may have put in groups of
+    their own (left alive, they would spin in their waits and slow every test after this one)."""
     os.killpg(job.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     job.communicate()
 
 
@@ -124,9 +131,9 @@ def assert_reports(output: str, ranks: int, name: str, wait: str) -> None:
 def test_ctrl_c_to_mpiexec_ends_a_stuck_job(tmp_path: Path, wait: str) -> None:
     ranks = 2
     job = start_job(tmp_path, ranks, WAITS[wait])
-    wait_ready(job, tmp_path, ranks)
+    pids = wait_ready(job, tmp_path, ranks)
     job.send_signal(signal.SIGINT)
-    status, seconds, output = finish(job, time.monotonic())
+    status, seconds, output = finish(job, time.monotonic(), pids)
     assert status != 0, output
     assert seconds < ENDS_WITHIN, f"the job took {seconds:.1f} s to end after Ctrl-C:\n{output}"
     if not OPEN_MPI:  # Open MPI's launcher does not forward SIGINT: it ends the job itself, without reports
@@ -140,7 +147,7 @@ def test_sigterm_to_every_rank_ends_a_stuck_job(tmp_path: Path, launcher: bool) 
     pids = wait_ready(job, tmp_path, ranks)
     for pid in pids:  # as scancel and qdel do
         os.kill(pid, signal.SIGTERM)
-    status, seconds, output = finish(job, time.monotonic())
+    status, seconds, output = finish(job, time.monotonic(), pids)
     assert status != 0, output
     assert seconds < ENDS_WITHIN, f"the job took {seconds:.1f} s to end after SIGTERM:\n{output}"
     assert_reports(output, ranks, "SIGTERM", "irecv-wait")
@@ -155,7 +162,7 @@ def test_a_double_ctrl_c_to_every_rank_still_aborts_with_reports(tmp_path: Path,
         for pid in pids:
             os.kill(pid, signal.SIGINT)
         time.sleep(0.15)  # the second one lands in the abort's grace period
-    status, seconds, output = finish(job, time.monotonic())
+    status, seconds, output = finish(job, time.monotonic(), pids)
     assert status != 0, output
     assert seconds < ENDS_WITHIN, output
     assert_reports(output, ranks, "SIGINT", "blocking-recv")
@@ -184,7 +191,7 @@ def test_outside_a_wait_the_program_keeps_its_own_signal_behaviour(tmp_path: Pat
     )
     pids = wait_ready(job, tmp_path, 1)
     os.kill(pids[0], signal.SIGINT)
-    status, _, output = finish(job, time.monotonic())
+    status, _, output = finish(job, time.monotonic(), pids)
     assert status == 0, output
     assert "KeyboardInterrupt in user code" in output and "own handlers ok" in output
     assert "aborting the job" not in output
@@ -194,7 +201,7 @@ def test_sigterm_outside_a_wait_ends_the_process_as_by_default(tmp_path: Path) -
     job = start_job(tmp_path, 1, "ready(); time.sleep(30)")
     pids = wait_ready(job, tmp_path, 1)
     os.kill(pids[0], signal.SIGTERM)
-    status, seconds, output = finish(job, time.monotonic())
+    status, seconds, output = finish(job, time.monotonic(), pids)
     assert status != 0 and seconds < ENDS_WITHIN, output
     assert "aborting the job" not in output
 
@@ -215,7 +222,7 @@ def test_a_second_ctrl_c_during_the_launchers_abort_cannot_skip_it(tmp_path: Pat
     os.kill(pids[0], signal.SIGINT)
     time.sleep(0.2)  # rank 0 is in the launcher's grace period now
     os.kill(pids[0], signal.SIGINT)
-    status, seconds, output = finish(job, time.monotonic())
+    status, seconds, output = finish(job, time.monotonic(), pids)
     assert status != 0, output
     assert seconds < ENDS_WITHIN, output
     assert "[rank 0] KeyboardInterrupt" in output and "[rank 0] uncaught exception: aborting the MPI job" in output
