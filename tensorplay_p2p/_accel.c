@@ -1,8 +1,9 @@
 /* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls, in C over mpi4py's C API.
  *
  * It handles the common case (host buffers that are contiguous or already resolved to a plain MPI
- * buffer, any group, no checked mode, no watchdog, no torch profiler recording) with no Python object
- * per op between the call and MPI, and its waits test first, so that an op already complete never gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
+ * buffer, any group, no checked mode, no watchdog, no torch profiler recording) with nothing but an empty
+ * Work per op between the call and MPI, and its waits test first, so that an op already complete never
+ * gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
  * function or method it stands in for (the reference, given by ``setup_work``/``setup_ops``), so both
  * engines give the same results, exceptions and messages.  Error messages are always worded by the
  * package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
@@ -10,8 +11,9 @@
  * Types (each is the base of the Python class of the same role, which adds every other method):
  *   OpBase    - tuple subclass, the base of ``P2POp``; its constructor checks the common case inline.
  *   WorkBase  - the fields of ``Work``; ``wait()`` and the dropped-handle keep-alive.
- *   BatchBase - the fields of ``BatchWork``; a batch posted here keeps its ops in C arrays until Python
- *               code reads ``_ops``, ``_resolved`` or ``_requests``, which then become Python lists.
+ *   BatchBase - a list subclass, the base of ``BatchWork``: its items are the ops' Works; a batch posted
+ *               here keeps its ops in C arrays, its Works shells, until Python code reads a field of
+ *               one of them or ``_works``, which fills them in.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,7 +51,7 @@ static int world_size = 0, world_rank = -1;
 
 static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
 static PyObject *s_profiler_module, *s_profiler_flag;
-static PyObject *s_fail, *s_complete, *s_wait_works, *s_complete_batch, *s_raise_failures;
+static PyObject *s_fail, *s_complete, *s_finish;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what, *s_recv_what;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
@@ -431,29 +433,73 @@ call_reference(PyObject *reference, PyObject *self, PyObject *const *args, Py_ss
 
 /* --- WorkBase ---------------------------------------------------------------------------------- */
 
+typedef struct BatchObject BatchObject;
+
 typedef struct {
     PyObject_HEAD
     PyObject *after, *exception, *group, *keep, *nbytes, *peer, *receive, *request, *source, *state, *tag, *posted;
+    BatchObject *owner; /* borrowed: the lean batch that holds this op while its fields are unfilled, or NULL */
 } WorkObject;
-
-static PyMemberDef work_members[] = {
-    {"_after", T_OBJECT_EX, offsetof(WorkObject, after), 0, NULL},
-    {"_exception", T_OBJECT_EX, offsetof(WorkObject, exception), 0, NULL},
-    {"_group", T_OBJECT_EX, offsetof(WorkObject, group), 0, NULL},
-    {"_keep", T_OBJECT_EX, offsetof(WorkObject, keep), 0, NULL},
-    {"_nbytes", T_OBJECT_EX, offsetof(WorkObject, nbytes), 0, NULL},
-    {"_peer", T_OBJECT_EX, offsetof(WorkObject, peer), 0, NULL},
-    {"_receive", T_OBJECT_EX, offsetof(WorkObject, receive), 0, NULL},
-    {"_request", T_OBJECT_EX, offsetof(WorkObject, request), 0, NULL},
-    {"_source", T_OBJECT_EX, offsetof(WorkObject, source), 0, NULL},
-    {"_state", T_OBJECT_EX, offsetof(WorkObject, state), 0, NULL},
-    {"_tag", T_OBJECT_EX, offsetof(WorkObject, tag), 0, NULL},
-    {"posted", T_OBJECT_EX, offsetof(WorkObject, posted), 0, "When the op was posted (time.monotonic())."},
-    {NULL},
-};
 
 #define WORK_FIELDS(X) X(after) X(exception) X(group) X(keep) X(nbytes) X(peer) X(receive) X(request) X(source) \
     X(state) X(tag) X(posted)
+
+static int batch_fill(BatchObject *self, Py_ssize_t posted);
+
+/* A Work a lean batch still holds has its fields filled in (with every other op of that batch) before any is read. */
+static int
+work_filled(WorkObject *self)
+{
+    return self->owner == NULL ? 0 : batch_fill(self->owner, -1);
+}
+
+typedef struct {
+    const char *name;
+    Py_ssize_t offset;
+} Field;
+
+#define FIELD(f) {"_" #f, offsetof(WorkObject, f)},
+static Field work_field_list[] = {WORK_FIELDS(FIELD)};
+#undef FIELD
+
+static PyObject *
+work_get(WorkObject *self, void *closure)
+{
+    Field *field = closure;
+    if (work_filled(self) < 0)
+        return NULL;
+    PyObject *value = *(PyObject **)((char *)self + field->offset);
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, field->name);
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
+static int
+work_set(WorkObject *self, PyObject *value, void *closure)
+{
+    Field *field = closure;
+    if (work_filled(self) < 0)
+        return -1;
+    Py_XSETREF(*(PyObject **)((char *)self + field->offset), Py_XNewRef(value));
+    return 0;
+}
+
+static PyGetSetDef work_getset[sizeof work_field_list / sizeof work_field_list[0] + 1];
+
+static void
+work_getset_init(void)
+{
+    size_t n = sizeof work_field_list / sizeof work_field_list[0];
+    for (size_t i = 0; i < n; i++) {
+        int posted = strcmp(work_field_list[i].name, "_posted") == 0;
+        work_getset[i] = (PyGetSetDef){posted ? "posted" : work_field_list[i].name, (getter)work_get,
+                                       (setter)work_set,
+                                       posted ? "When the op was posted (time.monotonic())." : NULL,
+                                       &work_field_list[i]};
+    }
+}
 
 static int
 work_traverse(WorkObject *self, visitproc visit, void *arg)
@@ -531,6 +577,8 @@ static PyObject *
 work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *timeout = nargs > 0 ? args[0] : Py_None;
+    if (work_filled(self) < 0)
+        return NULL;
     int lean = ref_work_wait != NULL && nargs <= 1 && kwnames == NULL && timeout == Py_None &&
                state_is(self->state, PENDING) && self->after == Py_None && self->request != NULL &&
                self->group != NULL && self->nbytes != NULL && PyLong_CheckExact(self->nbytes) &&
@@ -594,7 +642,7 @@ static PyTypeObject WorkBase_Type = {
     .tp_traverse = (traverseproc)work_traverse,
     .tp_clear = (inquiry)work_clear,
     .tp_finalize = (destructor)work_finalize,
-    .tp_members = work_members,
+    .tp_getset = work_getset,
     .tp_methods = work_methods,
 };
 
@@ -644,25 +692,30 @@ post_work(WorkObject *w, PyObject *comm, Buffer *buffer, int peer, int tag)
 
 /* --- BatchBase --------------------------------------------------------------------------------- */
 
+/* A batch posted here is a list of Works that are shells (no field set, ``owner`` this batch) while the batch holds
+ * its ops in C arrays: its lean wait() completes them there.  The first read of a shell's field, of ``_works``, or
+ * a wait the lean path does not take fills every shell in (``batch_fill``), and the Python methods take over. */
+
 typedef struct {
     int receive, peer, tag;
     Py_ssize_t nbytes;
-    PyObject *keep; /* owned while the batch holds its ops in C */
+    PyObject *keep;   /* owned while the batch holds its ops in C */
+    WorkObject *work; /* owned: the op's Work, whatever the list holds */
 } LeanOp;
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *group, *hooks, *ops, *requests, *resolved, *state, *works, *posted;
-    Py_ssize_t n;        /* ops posted here (0: a batch built by Python code) */
-    int live;            /* the requests are still in ``reqs`` (not handed to Python) */
-    int busy;            /* a thread is in MPI_Waitall on ``reqs`` (without the GIL) */
+struct BatchObject {
+    PyListObject list;
+    PyObject *group, *state, *works, *posted;
+    Py_ssize_t n; /* ops posted here (0: a batch built by Python code) */
+    int lean;     /* the ops are in ``reqs`` and ``info``, their Works shells */
+    int busy;     /* a thread is in MPI_Waitall on ``reqs`` (without the GIL) */
     MPI_Request *reqs;
     LeanOp *info;
     MPI_Request small_reqs[SMALL];
     LeanOp small_info[SMALL];
-} BatchObject;
+};
 
-#define BATCH_FIELDS(X) X(group) X(hooks) X(ops) X(requests) X(resolved) X(state) X(works) X(posted)
+#define BATCH_FIELDS(X) X(group) X(state) X(works) X(posted)
 
 static void
 batch_drop_keeps(BatchObject *self)
@@ -673,26 +726,152 @@ batch_drop_keeps(BatchObject *self)
         Py_CLEAR(self->info[i].keep);
 }
 
+/* Fill the shells in: each Work gets its op's fields and outcome, a pending one its own request and buffer (the ops
+ * from ``posted`` on, when a post failed, were never posted: not pending).  ``posted`` -1: every op.  From here on
+ * Python code holds the batch (``_works``). */
+static int
+batch_fill(BatchObject *self, Py_ssize_t posted)
+{
+    if (!self->lean)
+        return 0;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this BatchWork is being waited on by another thread");
+        return -1;
+    }
+    Py_ssize_t n = self->n;
+    if (posted < 0)
+        posted = n;
+    int pending = state_is(self->state, PENDING);
+    PyObject *works = PyTuple_New(n);
+    PyObject *global_of = pending ? NULL : PyObject_GetAttr(self->group, s_global_of);
+    if (works == NULL || (!pending && global_of == NULL)) {
+        Py_XDECREF(works);
+        return -1;
+    }
+    self->lean = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        self->info[i].work->owner = NULL;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        LeanOp *op = &self->info[i];
+        WorkObject *w = op->work;
+        PyTuple_SET_ITEM(works, i, Py_NewRef((PyObject *)w));
+        int live = pending && i < posted;
+        w->after = Py_NewRef(Py_None);
+        w->exception = Py_NewRef(Py_None);
+        w->group = Py_NewRef(self->group);
+        w->keep = pending && op->keep ? Py_NewRef(op->keep) : Py_NewRef(Py_None);
+        w->receive = Py_NewRef(op->receive ? Py_True : Py_False);
+        w->state = Py_NewRef(live ? pending_obj : pending ? failed_obj : done_obj);
+        w->posted = Py_NewRef(self->posted);
+        w->nbytes = PyLong_FromSsize_t(op->nbytes);
+        w->peer = PyLong_FromLong(op->peer);
+        w->tag = PyLong_FromLong(op->tag);
+        w->source = !pending && op->receive ? PySequence_GetItem(global_of, op->peer) : PyLong_FromLong(-1);
+        w->request = live ? PyMPIRequest_New(self->reqs[i]) : Py_NewRef(request_null);
+        if (live && w->request != NULL)
+            self->reqs[i] = MPI_REQUEST_NULL; /* the Work's request holds it now */
+        if (w->nbytes == NULL || w->peer == NULL || w->tag == NULL || w->source == NULL || w->request == NULL)
+            failed = 1;
+    }
+    Py_XDECREF(global_of);
+    Py_XSETREF(self->works, works);
+    batch_drop_keeps(self); /* the Works keep them now */
+    if (failed)
+        return -1;
+    PyObject *active = PyDict_GetItemWithError(watchdog_dict, s_active);
+    if (pending && active == Py_True) { /* as Work.adopt: the watchdog watches each pending op */
+        PyObject *track = PyDict_GetItemString(watchdog_dict, "track");
+        for (Py_ssize_t i = 0; track != NULL && i < posted; i++) {
+            PyObject *r = PyObject_CallOneArg(track, (PyObject *)self->info[i].work);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    return 0;
+}
+
+/* How many of the references to ``w`` this batch holds: its own, and each place in the list. */
+static Py_ssize_t
+batch_references(BatchObject *self, Py_ssize_t i)
+{
+    PyObject *w = (PyObject *)self->info[i].work;
+    Py_ssize_t size = PyList_GET_SIZE(self), count = 1;
+    if (size == self->n && PyList_GET_ITEM(self, i) == w)
+        return 2; /* the list as the batch made it (its items are distinct) */
+    for (Py_ssize_t j = 0; j < size; j++)
+        count += PyList_GET_ITEM(self, j) == w;
+    return count;
+}
+
+/* Shells no one else holds, kept for the next batches instead of being freed and made again. */
+#define SHELLS 64
+static WorkObject *shells[SHELLS];
+static int spare_shells = 0;
+
+/* A shell for a lean batch's op (a new reference). */
+static WorkObject *
+new_shell(void)
+{
+    if (spare_shells > 0)
+        return shells[--spare_shells];
+    PyTypeObject *tp = (PyTypeObject *)Work_type;
+    return (WorkObject *)tp->tp_alloc(tp, 0);
+}
+
+/* Before the batch lets go of its Works: shells held elsewhere too are filled in; the others are kept as spares
+ * (or die with the batch). */
+static void
+batch_release_works(BatchObject *self)
+{
+    if (self->info == NULL)
+        return;
+    if (self->lean) {
+        int shared = 0;
+        for (Py_ssize_t i = 0; i < self->n && !shared; i++)
+            shared = Py_REFCNT(self->info[i].work) > batch_references(self, i);
+        if (shared && batch_fill(self, -1) < 0)
+            PyErr_WriteUnraisable((PyObject *)self);
+        for (Py_ssize_t i = 0; i < self->n; i++) {
+            WorkObject *w = self->info[i].work;
+            w->owner = NULL;
+            if (self->lean && spare_shells < SHELLS && Py_TYPE(w) == (PyTypeObject *)Work_type) {
+                shells[spare_shells++] = w; /* this reference moves there; the list's go with the list */
+                self->info[i].work = NULL;
+            }
+        }
+        self->lean = 0;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        Py_CLEAR(self->info[i].work);
+}
+
 static int
 batch_traverse(BatchObject *self, visitproc visit, void *arg)
 {
+    if (PyList_Type.tp_traverse((PyObject *)self, visit, arg) < 0)
+        return -1;
 #define VISIT(f) Py_VISIT(self->f);
     BATCH_FIELDS(VISIT)
 #undef VISIT
     if (self->info != NULL)
-        for (Py_ssize_t i = 0; i < self->n; i++)
+        for (Py_ssize_t i = 0; i < self->n; i++) {
             Py_VISIT(self->info[i].keep);
+            Py_VISIT(self->info[i].work);
+        }
     return 0;
 }
 
 static int
 batch_clear(BatchObject *self)
 {
+    batch_release_works(self);
 #define CLEAR(f) Py_CLEAR(self->f);
     BATCH_FIELDS(CLEAR)
 #undef CLEAR
     batch_drop_keeps(self);
-    return 0;
+    return PyList_Type.tp_clear((PyObject *)self);
 }
 
 static void
@@ -711,176 +890,85 @@ static void
 batch_dealloc(BatchObject *self)
 {
     PyObject_GC_UnTrack(self);
-    batch_clear(self);
+    batch_release_works(self);
+#define CLEAR(f) Py_CLEAR(self->f);
+    BATCH_FIELDS(CLEAR)
+#undef CLEAR
+    batch_drop_keeps(self);
     batch_free_arrays(self);
-    Py_TYPE(self)->tp_free((PyObject *)self); /* a heap subclass's type is released by its own dealloc */
+    PyList_Type.tp_dealloc((PyObject *)self); /* the items, then tp_free; a heap subclass's type is released by its
+                                                  own dealloc */
 }
 
-/* ``_ops`` as Python code sees it: [(receive, group peer, tag, nbytes), ...]. */
-static int
-batch_build_ops(BatchObject *self)
+/* A pending batch dropped while it holds its ops: each Work takes its own, and a dropped pending Work is kept
+ * until MPI is done with it (``work_finalize``). */
+static void
+batch_finalize(BatchObject *self)
 {
-    if (self->ops != NULL || self->n == 0)
-        return 0;
-    PyObject *ops = PyList_New(self->n);
-    if (ops == NULL)
+    if (!self->lean || !state_is(self->state, PENDING))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (batch_fill(self, -1) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, tb);
+}
+
+static PyObject *
+get_works(BatchObject *self, void *closure)
+{
+    if (batch_fill(self, -1) < 0)
+        return NULL;
+    if (self->works == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_works");
+        return NULL;
+    }
+    return Py_NewRef(self->works);
+}
+
+static int
+set_works(BatchObject *self, PyObject *value, void *closure)
+{
+    if (batch_fill(self, -1) < 0)
         return -1;
+    Py_XSETREF(self->works, Py_XNewRef(value));
+    return 0;
+}
+
+/* ``_lean``: the ops of a pending batch that the C code holds, as (receive, group peer, tag, nbytes), read without
+ * filling the shells (a signal's report reads them while another thread waits on the batch); None otherwise. */
+static PyObject *
+get_lean(BatchObject *self, void *closure)
+{
+    if (!self->lean || !state_is(self->state, PENDING))
+        Py_RETURN_NONE;
+    PyObject *ops = PyTuple_New(self->n);
+    if (ops == NULL)
+        return NULL;
     for (Py_ssize_t i = 0; i < self->n; i++) {
         LeanOp *op = &self->info[i];
         PyObject *item = Py_BuildValue("(Oiin)", op->receive ? Py_True : Py_False, op->peer, op->tag, op->nbytes);
         if (item == NULL) {
             Py_DECREF(ops);
-            return -1;
+            return NULL;
         }
-        PyList_SET_ITEM(ops, i, item);
+        PyTuple_SET_ITEM(ops, i, item);
     }
-    self->ops = ops;
-    return 0;
-}
-
-/* ``_resolved`` for a pending lean batch: [(None, nbytes, keep, None), ...] (a pending Work needs no spec). */
-static int
-batch_build_resolved(BatchObject *self)
-{
-    if (self->resolved != NULL || self->n == 0)
-        return 0;
-    if (!self->live) {
-        self->resolved = PyTuple_New(0);
-        return self->resolved ? 0 : -1;
-    }
-    PyObject *resolved = PyList_New(self->n);
-    if (resolved == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; i < self->n; i++) {
-        LeanOp *op = &self->info[i];
-        PyObject *item = Py_BuildValue("(OnOO)", Py_None, op->nbytes, op->keep ? op->keep : Py_None, Py_None);
-        if (item == NULL) {
-            Py_DECREF(resolved);
-            return -1;
-        }
-        PyList_SET_ITEM(resolved, i, item);
-    }
-    self->resolved = resolved;
-    return 0;
-}
-
-/* Hand the first ``posted`` requests to Python (``_requests``): from here on Python code holds the batch. */
-static int
-batch_hand_over(BatchObject *self, Py_ssize_t posted)
-{
-    if (self->n == 0 || self->requests != NULL)
-        return 0;
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "this BatchWork is being waited on by another thread");
-        return -1;
-    }
-    if (batch_build_ops(self) < 0 || batch_build_resolved(self) < 0)
-        return -1;
-    PyObject *requests = PyList_New(0);
-    if (requests == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; self->live && i < posted; i++) {
-        PyObject *req = PyMPIRequest_New(self->reqs[i]);
-        if (req == NULL || PyList_Append(requests, req) < 0) {
-            Py_XDECREF(req);
-            Py_DECREF(requests);
-            return -1;
-        }
-        Py_DECREF(req);
-        self->reqs[i] = MPI_REQUEST_NULL;
-    }
-    self->requests = requests;
-    self->live = 0;
-    batch_drop_keeps(self); /* the resolved list keeps them now */
-    return 0;
-}
-
-static PyObject *
-batch_get(BatchObject *self, PyObject **field, const char *name)
-{
-    if (*field == NULL) {
-        PyErr_SetString(PyExc_AttributeError, name);
-        return NULL;
-    }
-    return Py_NewRef(*field);
-}
-
-static int
-batch_set(PyObject **field, PyObject *value)
-{
-    Py_XSETREF(*field, Py_XNewRef(value));
-    return 0;
-}
-
-static PyObject *
-get_ops(BatchObject *self, void *closure)
-{
-    return batch_build_ops(self) < 0 ? NULL : batch_get(self, &self->ops, "_ops");
-}
-
-static int
-set_ops(BatchObject *self, PyObject *value, void *closure)
-{
-    if (batch_hand_over(self, self->n) < 0)
-        return -1;
-    return batch_set(&self->ops, value);
-}
-
-static PyObject *
-get_resolved(BatchObject *self, void *closure)
-{
-    return batch_build_resolved(self) < 0 ? NULL : batch_get(self, &self->resolved, "_resolved");
-}
-
-static int
-set_resolved(BatchObject *self, PyObject *value, void *closure)
-{
-    if (batch_hand_over(self, self->n) < 0)
-        return -1;
-    return batch_set(&self->resolved, value);
-}
-
-static PyObject *
-get_requests(BatchObject *self, void *closure)
-{
-    return batch_hand_over(self, self->n) < 0 ? NULL : batch_get(self, &self->requests, "_requests");
-}
-
-static int
-set_requests(BatchObject *self, PyObject *value, void *closure)
-{
-    if (batch_hand_over(self, self->n) < 0)
-        return -1;
-    return batch_set(&self->requests, value);
+    return ops;
 }
 
 static PyGetSetDef batch_getset[] = {
-    {"_ops", (getter)get_ops, (setter)set_ops, NULL, NULL},
-    {"_resolved", (getter)get_resolved, (setter)set_resolved, NULL, NULL},
-    {"_requests", (getter)get_requests, (setter)set_requests, NULL, NULL},
+    {"_works", (getter)get_works, (setter)set_works, NULL, NULL},
+    {"_lean", (getter)get_lean, NULL, NULL, NULL},
     {NULL},
 };
 
 static PyMemberDef batch_members[] = {
     {"_group", T_OBJECT_EX, offsetof(BatchObject, group), 0, NULL},
-    {"_hooks", T_OBJECT_EX, offsetof(BatchObject, hooks), 0, NULL},
     {"_state", T_OBJECT_EX, offsetof(BatchObject, state), 0, NULL},
-    {"_works", T_OBJECT_EX, offsetof(BatchObject, works), 0, NULL},
     {"posted", T_OBJECT_EX, offsetof(BatchObject, posted), 0, "When the batch was posted (time.monotonic())."},
     {NULL},
 };
-
-static void
-batch_finalize(BatchObject *self)
-{
-    if (dropped == NULL || !state_is(self->state, PENDING) || self->works != Py_None)
-        return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (PyList_Append(dropped, (PyObject *)self) < 0)
-        PyErr_WriteUnraisable((PyObject *)self);
-    PyErr_Restore(type, value, tb);
-}
 
 /* After a Waitall that failed (``code``) or a receive of the wrong size: the Python methods finish it. */
 static PyObject *
@@ -899,23 +987,14 @@ batch_finish_in_python(BatchObject *self, MPI_Status *statuses, int code)
         PyList_SET_ITEM(list, i, st);
     }
     /* the requests MPI completed are MPI_REQUEST_NULL in ``reqs`` now; the others are still pending */
-    if (batch_hand_over(self, n) < 0) {
+    if (batch_fill(self, -1) < 0) {
         Py_DECREF(list);
         return NULL;
     }
-    PyObject *r;
-    if (code != MPI_SUCCESS) {
-        PyObject *exc = mpi_error(code);
-        r = exc ? PyObject_CallMethodObjArgs((PyObject *)self, s_wait_works, exc, list, NULL) : NULL;
-        Py_XDECREF(exc);
-    } else {
-        r = PyObject_CallMethodOneArg((PyObject *)self, s_complete_batch, list);
-    }
+    PyObject *exc = code != MPI_SUCCESS ? mpi_error(code) : Py_NewRef(Py_None);
+    PyObject *r = exc ? PyObject_CallMethodObjArgs((PyObject *)self, s_finish, list, exc, NULL) : NULL;
+    Py_XDECREF(exc);
     Py_DECREF(list);
-    if (r == NULL)
-        return NULL;
-    Py_DECREF(r);
-    r = PyObject_CallMethodNoArgs((PyObject *)self, s_raise_failures);
     if (r == NULL)
         return NULL;
     Py_DECREF(r);
@@ -928,9 +1007,11 @@ PyDoc_STRVAR(batch_wait_doc, "wait($self, /, timeout=None)\n--\n\n"
 static PyObject *
 batch_wait(BatchObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (!(self->live && !self->busy && nargs <= 1 && kwnames == NULL && (nargs == 0 || args[0] == Py_None) &&
-          state_is(self->state, PENDING) && self->works == Py_None))
-        return call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames);
+    if (!(self->lean && !self->busy && nargs <= 1 && kwnames == NULL && (nargs == 0 || args[0] == Py_None) &&
+          state_is(self->state, PENDING)))
+        return self->lean && state_is(self->state, DONE) && nargs == 0 && kwnames == NULL
+                   ? Py_NewRef(Py_True) /* completed here: every op succeeded */
+                   : call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames);
     Py_ssize_t n = self->n;
     MPI_Status small[SMALL], *statuses = n <= SMALL ? small : PyMem_Malloc(n * sizeof(MPI_Status));
     if (statuses == NULL)
@@ -956,14 +1037,12 @@ batch_wait(BatchObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (self->info[i].receive && received_bytes(&statuses[i]) != self->info[i].nbytes) {
-            result = batch_finish_in_python(self, statuses, MPI_SUCCESS); /* BatchWork._complete words the error */
+            result = batch_finish_in_python(self, statuses, MPI_SUCCESS); /* Work.complete words the error */
             goto done;
         }
     }
-    self->live = 0;
     Py_XSETREF(self->state, Py_NewRef(done_obj));
-    Py_CLEAR(self->resolved); /* release the buffers, and any view of them built meanwhile */
-    batch_drop_keeps(self);
+    batch_drop_keeps(self); /* release the buffers */
     result = Py_NewRef(Py_True);
 done:
     Py_DECREF(self);
@@ -979,10 +1058,10 @@ static PyMethodDef batch_methods[] = {
 
 static PyTypeObject BatchBase_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._accel.BatchBase",
-    .tp_doc = "The fields of a BatchWork, its ops in C while only C code has looked at them, and its lean wait().",
+    .tp_doc = "A list of Works: the fields of a BatchWork, its ops in C while its Works are shells, and its lean "
+              "wait().",
     .tp_basicsize = sizeof(BatchObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
     .tp_dealloc = (destructor)batch_dealloc,
     .tp_traverse = (traverseproc)batch_traverse,
     .tp_clear = (inquiry)batch_clear,
@@ -1236,8 +1315,6 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
         goto out;
     }
     batch->group = Py_NewRef(pg);
-    batch->hooks = Py_NewRef(Py_False);
-    batch->works = Py_NewRef(Py_None);
     batch->state = Py_NewRef(failed_obj); /* not pending until posted */
     batch->posted = PyFloat_FromDouble(monotonic());
     if (n <= SMALL) {
@@ -1254,29 +1331,45 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
             PyErr_NoMemory();
         goto out;
     }
-    batch->n = n;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* each op's Work, a shell until a field of one is read */
+        WorkObject *w = new_shell();
+        if (w == NULL || PyList_Append((PyObject *)batch, (PyObject *)w) < 0) {
+            Py_XDECREF(w);
+            discard(ops, n);
+            Py_DECREF(batch);
+            goto out;
+        }
         Posting *op = &ops[i];
-        batch->info[i] = (LeanOp){op->receive, op->peer, op->tag, op->buffer.nbytes, op->buffer.keep};
+        w->owner = batch;
+        batch->info[i] = (LeanOp){op->receive, op->peer, op->tag, op->buffer.nbytes, op->buffer.keep, w};
         op->buffer.keep = NULL;
         batch->reqs[i] = MPI_REQUEST_NULL;
+        batch->n = i + 1;
     }
-    batch->live = 1;
+    batch->lean = 1;
     MPI_Comm handle = *PyMPIComm_Get(comm);
-    Py_ssize_t i = 0;
+    Py_ssize_t posted = 0;
     int code = MPI_SUCCESS;
-    for (; i < n && code == MPI_SUCCESS; i++) {
-        Posting *op = &ops[i];
+    for (; posted < n; posted++) {
+        Posting *op = &ops[posted];
         Buffer *b = &op->buffer;
-        code = op->receive ? MPI_Irecv(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, &batch->reqs[i])
-                           : MPI_Isend(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, &batch->reqs[i]);
+        MPI_Request *request = &batch->reqs[posted];
+        code = op->receive ? MPI_Irecv(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, request)
+                           : MPI_Isend(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, request);
+        if (code != MPI_SUCCESS) {
+            *request = MPI_REQUEST_NULL;
+            break;
+        }
     }
     Py_XSETREF(batch->state, Py_NewRef(pending_obj));
     if (code != MPI_SUCCESS) { /* BatchWork._withdraw cancels what was posted and words the error */
         PyObject *exc = mpi_error(code);
-        PyObject *error = exc && batch_hand_over(batch, i - 1) == 0
-                              ? PyObject_CallMethodObjArgs((PyObject *)batch, s_withdraw, s_batch_what, exc, NULL)
+        PyObject *count = PyLong_FromSsize_t(posted);
+        PyObject *error = exc && count && batch_fill(batch, posted) == 0
+                              ? PyObject_CallMethodObjArgs((PyObject *)batch, s_withdraw, s_batch_what, exc, count,
+                                                           NULL)
                               : NULL;
+        Py_XDECREF(count);
         Py_DECREF(batch);
         if (error == NULL)
             Py_CLEAR(exc);
@@ -1636,13 +1729,15 @@ PyInit__accel(void)
     if (import_mpi4py() < 0)
         return NULL;
     OpBase_Type.tp_base = &PyTuple_Type;
+    BatchBase_Type.tp_base = &PyList_Type;
+    BatchBase_Type.tp_new = PyList_Type.tp_new;
+    work_getset_init();
     if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0)
         return NULL;
     if (intern(&s_checked, "checked") || intern(&s_active, "active") ||
         intern(&s_single_threaded, "single_threaded") || intern(&s_communicator, "communicator") ||
         intern(&s_global_of, "global_of") || intern(&s_group_of, "group_of") || intern(&s_fail, "fail") || intern(&s_complete, "complete") ||
-        intern(&s_wait_works, "_wait_works") ||
-        intern(&s_complete_batch, "_complete") || intern(&s_raise_failures, "_raise_failures") ||
+        intern(&s_finish, "_finish") ||
         intern(&s_withdraw, "_withdraw") || intern(&s_wait, "wait") || intern(&s_source_rank, "source_rank") || intern(&s_batch_what, "batch_isend_irecv") ||
         intern(&s_isend_what, "isend") || intern(&s_irecv_what, "irecv") || intern(&s_send_what, "send") ||
         intern(&s_recv_what, "recv") || intern(&s_profiler_module, "torch.autograd.profiler") ||

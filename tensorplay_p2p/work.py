@@ -3,14 +3,14 @@
 A handle owns its state: it posts its own requests, completes them and fails them, and no other
 module writes its fields.  What it hands an after-hook (copy-back, checked mode) is a ``Receipt``.
 
-``BatchWork`` is the sequence of per-op works that torch's ``batch_isend_irecv`` returns, but it
-makes those ``Work`` objects only when the caller looks at one (indexing, iteration); until then
-the batch is a list of requests, posted in order and completed by one ``Waitall``.
+``BatchWork`` is the list of per-op works that torch's ``batch_isend_irecv`` returns, and its ops are posted in
+order and completed together by one ``Waitall``.
 
-Under the compiled engine the fields live in the C bases ``_accel.WorkBase`` and ``_accel.BatchBase``,
-whose ``wait()`` and keep-alive of a dropped handle replace the ones here (which they fall back to);
-a batch the C code posted holds its ops in C arrays until Python code reads ``_ops``, ``_resolved``
-or ``_requests``.  Every other method is the one below, for both engines.
+Under the compiled engine the fields live in the C bases ``_accel.WorkBase`` and ``_accel.BatchBase`` (a list),
+whose ``wait()`` and keep-alive of a dropped handle replace the ones here (which they fall back to).  A batch the C
+code posted holds its ops in C arrays and its works are empty shells until Python code reads a field of one of
+them or the batch's ``_works``: the batch then fills them in and Python takes over.  Every other method is the one
+below, for both engines.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mpi4py import MPI
 
@@ -44,10 +44,17 @@ class _Fields:
     __slots__ = ()
 
 
+class _BatchFields(_Fields):
+    """The pure-Python engine's batch base: a batch it posts is never held by the compiled engine."""
+
+    __slots__ = ()
+    _lean: tuple[tuple[bool, int, int, int], ...] | None = None
+
+
 if TYPE_CHECKING or engine.accel is None:
     _WorkBase = _Fields
-    _BatchBase = _Fields
-else:  # the compiled engine's bases hold the fields in C
+    _BatchBase = _BatchFields
+else:  # the compiled engine's bases hold the fields in C (its BatchBase is a list)
     _WorkBase, _BatchBase = engine.accel.WorkBase, engine.accel.BatchBase
 _WORK_FIELDS = (
     "_after",
@@ -63,7 +70,7 @@ _WORK_FIELDS = (
     "_tag",
     "posted",
 )
-_BATCH_FIELDS = ("_group", "_hooks", "_ops", "_requests", "_resolved", "_state", "_works", "posted")
+_BATCH_FIELDS = ("_group", "_state", "_works", "posted")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _Status = MPI.Status
@@ -399,18 +406,15 @@ class Work(_WorkBase):
 # --- a batch ---------------------------------------------------------------------------------
 
 
-_statuses: dict[int, list[list[MPI.Status]]] = {}  # Status lists for Waitall by length, reused once read
+class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
+    """The ops of one ``batch_isend_irecv``: the list of per-op works torch returns, completed by one ``Waitall``.
 
-
-class BatchWork(_BatchBase, Sequence[Work]):
-    """The ops of one ``batch_isend_irecv``: one ``Waitall`` completes them all.
-
-    A sequence of per-op ``Work`` objects, as torch's list is (``len``, indexing, iteration,
-    ``for w in reqs: w.wait()``); they are made when first looked at.  Until then the batch keeps
-    only what completing it needs: the requests and, per op, its peer, tag, size and buffer.
+    It is a ``list`` (torch documents a list, and real code tests ``isinstance(reqs, list)``): its items are the
+    ops' ``Work`` objects, in the order of the ops, and every list operation gives them.  ``wait()`` completes the
+    ops the batch posted, whatever the list holds by then.  Each ``Work`` holds its op's state.
     """
 
-    __slots__ = () if _BatchBase is not _Fields else _BATCH_FIELDS
+    __slots__ = () if _BatchBase is not _BatchFields else _BATCH_FIELDS
 
     def __init__(
         self,
@@ -420,48 +424,39 @@ class BatchWork(_BatchBase, Sequence[Work]):
         what: str = "",
     ) -> None:
         """Post ``ops`` (``(receive, group peer, tag, payload bytes)`` each, their buffers ``resolved``) in order,
-        or none."""
+        or none.  If a post fails, the ops already posted are withdrawn and every buffer is released."""
         self._group = group
-        self._ops = ops
-        self._resolved = resolved
-        self._works: list[Work] | None = None
-        self._requests: list[MPI.Request] = []
         self.posted = time.monotonic()
         self._state = _DONE
-        self._hooks = False  # whether some op has an after-hook
+        works = [
+            Work(group, receive, peer, tag, buffer, None)  # type: ignore[arg-type]
+            for (receive, peer, tag, _), buffer in zip(ops, resolved, strict=True)
+        ]
+        self._works = tuple(works)
+        self.extend(works)
         if not ops:
             return
         assert group is not None
         if dropped:
             reap_dropped()
         comm = group.communicator
-        requests = self._requests
-        hooks = False
+        posted = 0
         try:
-            for (receive, peer, tag, _), (spec, _, _, after) in zip(
-                ops, resolved, strict=True
-            ):  # plain loop: every batch
-                requests.append(
-                    comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
-                )
-                if after is not None:
-                    hooks = True
+            for work, (receive, peer, tag, _), (spec, _, _, _) in zip(works, ops, resolved, strict=True):
+                work.posted = self.posted
+                work.adopt(comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag))  # type: ignore[union-attr]
+                posted += 1
         except MPI.Exception as exc:
-            raise self._withdraw(what, exc) from exc
+            raise self._withdraw(what, exc, posted) from exc
         except BaseException:
-            self._withdraw(what, None)
+            self._withdraw(what, None, posted)
             raise
         self._state = _PENDING
-        self._hooks = hooks
-        if watchdog.active:
-            watchdog.track(self)
 
-    def _withdraw(self, what: str, exc: MPI.Exception | None) -> CommunicationError:
-        """After op ``len(self._requests)`` could not be posted: cancel the posted receives, release every buffer;
-        the error to raise names the op and the sends left in flight (MPI 4 cannot cancel them)."""
-        posted = len(self._requests)
-        self._state = _PENDING  # the posted ops are pending
-        works = self._materialize()
+    def _withdraw(self, what: str, exc: MPI.Exception | None, posted: int) -> CommunicationError:
+        """After op ``posted`` could not be posted: cancel the posted receives, release every buffer; the error to
+        raise names the op and the sends left in flight (MPI 4 cannot cancel them)."""
+        works = self._works
         stranded = 0
         for i, work in enumerate(works):
             if i < posted and not work._receive:
@@ -476,157 +471,38 @@ class BatchWork(_BatchBase, Sequence[Work]):
             at += f" ({stranded} send(s) posted before it could not be withdrawn and may still be delivered)"
         if exc is None:
             return CommunicationError(f"{at}: not posted")
-        receive, peer, tag, _ = self._ops[posted]
+        work = works[posted]
         assert self._group is not None
-        return errors.posting_error(at, receive, self._group, peer, tag, exc)
-
-    def __del__(self) -> None:
-        if self._state == _PENDING and self._works is None:
-            dropped.append(self)
-
-    # --- the sequence of per-op works ---
-
-    def _materialize(self, outcomes: dict[int, tuple[CommunicationError | None, int]] | None = None) -> list[Work]:
-        """The per-op Works, made now if not yet (a completed batch's ``outcomes`` by op index, where they are not
-        plain success); from here on they hold the ops' state."""
-        works = self._works
-        if works is not None:
-            return works
-        group, requests, pending = self._group, self._requests, self._state == _PENDING
-        assert group is not None or not self._ops
-        works = []
-        for i, (receive, peer, tag, nbytes) in enumerate(self._ops):
-            # a pending op takes over its buffer; a finished one's hooks have run and its buffer is released
-            resolved = self._resolved[i] if pending else (None, nbytes, None, None)
-            work = Work(group, receive, peer, tag, resolved, None)  # type: ignore[arg-type]
-            work.posted = self.posted
-            if pending:
-                if i < len(requests):
-                    work.adopt(requests[i])
-                # else: a post that failed; the batch withdraws it
-            elif outcomes is not None and i in outcomes:
-                work.outcome(*outcomes[i])
-            else:  # finished by the batch: a receive's sender is the peer it named
-                work.outcome(None, group.global_of[peer] if receive and peer >= 0 else -1)  # type: ignore[union-attr]
-            works.append(work)
-        if pending and watchdog.active:
-            watchdog.untrack(self)
-        self._works = works
-        self._resolved = ()
-        self._requests = []
-        return works
-
-    def __len__(self) -> int:
-        return len(self._ops) if self._works is None else len(self._works)
-
-    @overload
-    def __getitem__(self, index: int) -> Work: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Work]: ...
-    def __getitem__(self, index: int | slice) -> Work | list[Work]:
-        return self._materialize()[index]
-
-    def __iter__(self) -> Iterator[Work]:
-        return iter(self._materialize())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (BatchWork, list)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    def __add__(self, other: Sequence[Work]) -> list[Work]:
-        return [*self, *other]
-
-    def __radd__(self, other: Sequence[Work]) -> list[Work]:
-        return [*other, *self]
-
-    __hash__ = None  # type: ignore[assignment]
+        return errors.posting_error(at, work._receive, self._group, work._peer, work._tag, exc)
 
     def __repr__(self) -> str:
-        return f"BatchWork({list(self)!r})"
+        return f"BatchWork({list.__repr__(self)})"
 
     # --- completion ---
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
-        if self._works is None and timeout is None:
-            if self._state == _PENDING:
-                requests = self._requests
-                spare = _statuses.get(len(requests))
-                statuses = spare.pop() if spare else []  # mpi4py fills the Status objects it is given in place
-                try:
-                    _Waitall(requests, statuses)
-                except MPI.Exception as exc:
-                    self._wait_works(exc, statuses)  # these statuses are not reused
-                else:
-                    plain = not self._hooks  # ``_complete`` made lean: only the receives' sizes to check
-                    if plain:
-                        for (receive, peer, _, nbytes), status in zip(self._ops, statuses, strict=True):
-                            if receive and (peer < 0 or status.Get_count(_BYTE) != nbytes):
-                                plain = False  # PROC_NULL, any source or a size error
-                                break
-                    if plain:
-                        self._state = _DONE
-                        self._resolved = ()  # release the buffers
-                        if watchdog.active:
-                            watchdog.untrack(self)
-                    else:
-                        self._complete(statuses)
-                    if spare is None:
-                        _statuses[len(statuses)] = [statuses]
-                    elif len(spare) < 4:
-                        spare.append(statuses)
-            if self._works is None:
-                return True
-        elif timeout is not None:
+        if timeout is None:
+            self._wait_works([w for w in self._works if w._state == _PENDING])
+        else:
             limit = seconds(timeout, "timeout")
             assert limit is not None
             poll(self.test, limit, self._still_pending)
-        else:
-            self._wait_works()
         self._raise_failures()
         return True
 
-    def _complete(self, statuses: list[MPI.Status]) -> None:
-        """Finish every op after a successful ``Waitall``: size checks on the receives, then the after-hooks."""
-        self._state = _DONE
-        if watchdog.active:
-            watchdog.untrack(self)
-        group = self._group
-        outcomes: dict[int, tuple[CommunicationError | None, int]] | None = None
-        for i, ((receive, peer, tag, _), (_, nbytes, _, after), status) in enumerate(
-            zip(self._ops, self._resolved, statuses, strict=True)
-        ):
-            if receive or after is not None:  # plain loop: a send without a hook has nothing to finish
-                error: CommunicationError | None = None
-                source = -1
-                if receive and (found := status.Get_source()) != _PROC_NULL:
-                    source = group.global_of[found]  # type: ignore[union-attr]
-                    received = status.Get_count(_BYTE)
-                    if received != nbytes:
-                        error = errors.size_error(source, status.Get_tag(), nbytes, received)
-                if after is not None:
-                    receipt = Receipt(receive, group, peer, tag, nbytes, source)  # type: ignore[arg-type]
-                    error = _run_after(after, receipt, error)
-                if error is not None or peer == _ANY_SOURCE:
-                    if outcomes is None:
-                        outcomes = {}
-                    outcomes[i] = (error, source)
-        if outcomes is not None:  # a failure, or an any-source sender, to report: the per-op works carry it
-            self._materialize(outcomes)
-        else:
-            self._resolved = ()  # release the buffers
-
     def _wait_works(
-        self, failed: MPI.Exception | None = None, statuses: list[MPI.Status] | None = None, block: bool = True
+        self,
+        pending: list[Work],
+        failed: MPI.Exception | None = None,
+        statuses: list[MPI.Status] | None = None,
+        block: bool = True,
     ) -> None:
-        """Complete the per-op works still pending, one ``Waitall`` at a time (after the batch's own ``Waitall``
-        or ``Testall`` ``failed`` with ``statuses``, first give each op the outcome MPI reported; ``block``
-        False: only that)."""
-        works = self._materialize()
-        pending = [w for w in works if w._state == _PENDING]
+        """Complete the ``pending`` works, one ``Waitall`` at a time.  After a ``Waitall`` or ``Testall`` of exactly
+        these that completed them (``statuses``) or ``failed`` (with ``statuses``), first give each op the outcome MPI
+        reported; ``block`` False: only that."""
         while pending:
-            if failed is None:
+            if failed is None and statuses is None:
                 statuses = []
                 try:
                     _Waitall([w._request for w in pending], statuses)
@@ -636,7 +512,7 @@ class BatchWork(_BatchBase, Sequence[Work]):
             if failed is None:
                 for work, status in zip(pending, statuses, strict=True):
                     work.complete(status if work._receive else None)
-                return
+                break
             if failed.Get_error_class() != _ERR_IN_STATUS:
                 # MPI did not say which request failed: keep every request (and its buffer) as it is.
                 raise CommunicationError(
@@ -653,34 +529,29 @@ class BatchWork(_BatchBase, Sequence[Work]):
                     work.fail(error, status)
             if not block:
                 return
-            failed = None
+            failed, statuses = None, None
             pending = [w for w in pending if w._state == _PENDING]  # reported as still pending: wait again
+        self._state = _DONE if self.exception() is None else _FAILED
+
+    def _finish(self, statuses: list[MPI.Status], failed: MPI.Exception | None) -> None:
+        """After the compiled engine's ``Waitall`` of every op, in order, completed them (``statuses``) with a size
+        to report, or ``failed``: finish the ops as ``wait()`` would."""
+        self._wait_works(list(self._works), failed, statuses)
+        self._raise_failures()
 
     def test(self) -> bool:
         """Whether every op has finished (one ``Testall``); completes them if so."""
-        if self._works is None:
-            if self._state != _PENDING:
-                return True
-            statuses: list[MPI.Status] = []
-            try:
-                done = _Testall(self._requests, statuses)
-            except MPI.Exception as exc:
-                self._wait_works(exc, statuses, block=False)
-                return all(w._state != _PENDING for w in self._materialize())
-            if done:
-                self._complete(statuses)
-            return bool(done)
         pending = [w for w in self._works if w._state == _PENDING]
         if not pending:
             return True
-        statuses = []
+        statuses: list[MPI.Status] = []
         try:
             done = _Testall([w._request for w in pending], statuses)
-        except MPI.Exception:
-            return all(w.test() for w in pending)
+        except MPI.Exception as exc:
+            self._wait_works(pending, exc, statuses, block=False)
+            return all(w._state != _PENDING for w in pending)
         if done:
-            for work, status in zip(pending, statuses, strict=True):
-                work.complete(status if work._receive else None)
+            self._wait_works(pending, None, statuses)
         return bool(done)
 
     def is_completed(self) -> bool:
@@ -693,32 +564,28 @@ class BatchWork(_BatchBase, Sequence[Work]):
 
     def exception(self) -> CommunicationError | None:
         """The first error among the ops, or None."""
-        if self._works is None:
-            return None
         return next((e for w in self._works if (e := w.exception()) is not None), None)
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog and signals: one line per op still pending."""
-        if self._works is not None:
-            return [line for w in self._works for line in w.pending_lines(now)]
         if self._state != _PENDING:
             return []
-        group = self._group
-        assert group is not None
-        waited = now - self.posted
-        return [
-            errors.describe_op(receive, group, peer, tag, nbytes, waited)
-            for (receive, peer, tag, _), (_, nbytes, _, _) in zip(self._ops, self._resolved, strict=True)
-        ]
+        lean = self._lean  # the ops of a batch the compiled engine holds, read without taking them over
+        if lean is not None:
+            group = self._group
+            assert group is not None
+            return [
+                errors.describe_op(receive, group, peer, tag, nbytes, now - self.posted)
+                for receive, peer, tag, nbytes in lean
+            ]
+        return [line for w in self._works for line in w.pending_lines(now)]
 
     def _still_pending(self, now: float) -> list[str]:
-        if self._works is None and self.test():
+        if self.test():
             return []
-        return [w.describe(now) for w in self._materialize() if not w.test()]  # each op tested on its own
+        return [w.describe(now) for w in self._works if not w.test()]  # each op tested on its own
 
     def _raise_failures(self) -> None:
-        if self._works is None:
-            return
         failed = [e for w in self._works if (e := w.exception()) is not None]
         if failed:
             raise errors.batch_failures(failed)
@@ -741,5 +608,4 @@ if engine.accel is not None:  # the compiled engine: the same wait() made lean, 
         done=_DONE,
         failed=_FAILED,
     )
-    engine.hand_over(Work, "__del__")  # C keeps a dropped pending handle as these do
-    engine.hand_over(BatchWork, "__del__")
+    engine.hand_over(Work, "__del__")  # C keeps a dropped pending handle as this does

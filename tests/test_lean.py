@@ -176,3 +176,41 @@ def test_a_lean_batch_seen_while_pending() -> None:
     batch[0].wait()
     assert batch.wait() and batch[0].source_rank() == PREV
     np.testing.assert_array_equal(into, np.full(2, float(PREV)))
+
+
+def test_the_works_of_a_batch_outlive_it() -> None:
+    """The works of a batch taken into another list (as torch code collects them) keep their ops when the batch is
+    gone, whether it completed first or was dropped pending; later batches never share a work with an earlier one."""
+    kept: list[dist.Work] = []
+    into = [np.zeros(2) for _ in range(3)]
+    for step, buffer in enumerate(into):
+        batch = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.irecv, buffer, PREV, tag=18),
+                dist.P2POp(dist.isend, np.full(2, RANK + step, float), NEXT, tag=18),
+            ]
+        )
+        if step == 0:
+            assert batch.wait()  # completed by the batch, then dropped
+        kept.extend(batch)
+        del batch  # steps 1 and 2: dropped pending, their works still held here
+    assert len({id(w) for w in kept}) == 6
+    for w in kept:
+        assert w.wait() is True
+    for step, (received, sent) in enumerate(zip(kept[::2], kept[1::2], strict=True)):
+        assert received.source_rank() == PREV and received.is_success() and sent.is_success()
+        assert f"irecv from rank {PREV}" in repr(received) and repr(received).endswith("done)")
+        np.testing.assert_array_equal(into[step], np.full(2, float(PREV + step)))
+
+
+def test_a_pending_batch_is_described_without_taking_it_over() -> None:
+    """A signal's report describes a batch another thread waits on in C: its ops are read as they are."""
+    into = np.zeros(2)
+    batch = dist.batch_isend_irecv([dist.P2POp(dist.irecv, into, PREV, tag=19)])
+    lines = batch.pending_lines(batch.posted + 1.0)
+    assert len(lines) == 1 and f"irecv from rank {PREV}" in lines[0] and "pending for 1.0 s" in lines[0]
+    if engine.accel is not None and not dist.checked_mode():
+        assert batch._lean == ((True, PREV, 19, 16),)  # still held by the compiled engine
+    dist.isend(np.full(2, 5.0), NEXT, tag=19).wait()
+    assert batch.wait() and batch.pending_lines(batch.posted) == [] and batch._lean is None
+    np.testing.assert_array_equal(into, np.full(2, 5.0))

@@ -152,18 +152,30 @@ def test_largest_tag_works() -> None:
     assert into[0] == 1.0
 
 
-def test_batchwork_is_a_sequence_of_work() -> None:
-    into = np.zeros(2)
-    reqs = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, np.full(2, RANK * 1.0), NEXT), dist.P2POp(dist.irecv, into, PREV)]
+def _ring_batch(into: np.ndarray, value: float, tag: int = 0) -> dist.BatchWork:
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, np.full(into.shape, value), NEXT, tag=tag), dist.P2POp(dist.irecv, into, PREV, tag=tag)]
     )
-    assert isinstance(reqs, Sequence) and len(reqs) == 2
-    assert all(isinstance(r, dist.Work) for r in reqs)
-    assert reqs[0] is reqs[0] and list(reqs) == [reqs[0], reqs[1]] and reqs[-1] is reqs[1]
-    assert reqs == list(reqs) and [*reqs] + reqs == [reqs[0], reqs[1], reqs[0], reqs[1]]  # noqa: RUF005 (list + BatchWork)
+
+
+def test_batchwork_is_the_list_torch_returns() -> None:
+    """torch documents a list of works, and real code tests for one (Megatron-LM: ``isinstance(reqs, list)``)."""
+    into = np.zeros(2)
+    reqs = _ring_batch(into, RANK * 1.0)
+    assert isinstance(reqs, list) and isinstance(reqs, Sequence) and len(reqs) == 2
+    sent, received = reqs
+    assert all(isinstance(r, dist.Work) for r in reqs) and reqs[0] is sent and reqs[-1] is received
+    assert reqs == [sent, received] and [sent, received] == reqs and reqs != [received, sent]
+    assert [*reqs] + reqs == [sent, received, sent, received]  # noqa: RUF005 (list + BatchWork)
+    assert type(reqs + []) is list and reqs + [sent] == [sent, received, sent]  # noqa: RUF005
+    assert [] + reqs == reqs and type([] + reqs) is list  # noqa: RUF005
+    assert reqs[:1] == [sent] and type(reqs[:1]) is list and reqs[::-1] == [received, sent]
+    assert reqs.copy() == [sent, received] and type(reqs.copy()) is list and list(reqs) == [sent, received]
+    assert sent in reqs and received in reqs and reqs.index(received) == 1 and reqs.count(sent) == 1
     kept: list[dist.Work] = []
     kept += reqs  # torch code collects the works of several batches in one list
-    assert kept == list(reqs) and reqs.index(reqs[1]) == 1 and reqs[1] in reqs
+    kept.extend(reqs)
+    assert kept == [sent, received, sent, received]
     for req in reqs:  # torch-style per-request wait
         req.wait(timeout=WAIT)
     assert reqs.is_completed() and reqs.is_success()
@@ -171,13 +183,49 @@ def test_batchwork_is_a_sequence_of_work() -> None:
     into[...] = -1.0
     reqs.wait(timeout=1e-3)  # waiting again is harmless: done at once, nothing received twice
     assert reqs.is_success() and reqs.exception() is None
-    assert reqs[1].source_rank() == PREV
+    assert received.source_rank() == PREV
     np.testing.assert_array_equal(into, np.full(2, -1.0))
 
 
+def test_batchwork_waits_for_its_own_ops_whatever_the_list_holds() -> None:
+    into = np.zeros(3)
+    reqs = _ring_batch(into, RANK + 0.5, tag=4)
+    sent, received = reqs
+    reqs.clear()  # a list the program reuses: the batch still completes the ops it posted
+    reqs.append("not a work")
+    assert reqs.wait(timeout=WAIT) is True and reqs == ["not a work"]
+    assert sent.is_success() and received.source_rank() == PREV
+    np.testing.assert_array_equal(into, np.full(3, PREV + 0.5))
+
+
+def test_a_pipeline_that_collects_works_in_a_list() -> None:
+    """Megatron-LM's pipeline exchange, written out: each step's batch goes into one list of works (``extend`` when
+    the result is a list, ``update`` when it is a dict), and every work is waited on in turn."""
+    reqs: list[dist.Work] | dict[str, dist.Work] = []
+    from_prev, from_next = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    for step in range(3):
+        ops = [
+            dist.P2POp(dist.isend, np.full(4, RANK + step, np.float32), NEXT, tag=step),
+            dist.P2POp(dist.irecv, from_prev, PREV, tag=step),
+            dist.P2POp(dist.irecv, from_next, NEXT, tag=10 + step),
+            dist.P2POp(dist.isend, np.full(4, -RANK - step, np.float32), PREV, tag=10 + step),
+        ]
+        batch = dist.batch_isend_irecv(ops)
+        if isinstance(batch, list):
+            reqs.extend(batch)  # type: ignore[union-attr]
+        else:
+            reqs.update(batch)  # type: ignore[union-attr]
+        for req in reqs if isinstance(reqs, list) else reqs.values():
+            req.wait()
+        assert len(reqs) == 4 * (step + 1)
+        np.testing.assert_array_equal(from_prev, np.full(4, PREV + step, np.float32))
+        np.testing.assert_array_equal(from_next, np.full(4, -NEXT - step, np.float32))
+    assert all(req.is_success() for req in reqs)
+
+
 def test_empty_batch() -> None:
-    work = dist.batch_isend_irecv([])
-    assert isinstance(work, dist.BatchWork) and len(work) == 0
+    work = dist.batch_isend_irecv([])  # torch raises IndexError here (``p2p_op_list[0]``): a list is returned
+    assert isinstance(work, dist.BatchWork) and isinstance(work, list) and work == []
     work.wait(timeout=1e-3)  # nothing to wait for: no timeout
     assert work.is_completed() and work.is_success() and work.exception() is None
 
