@@ -780,7 +780,7 @@ batch_fill(BatchObject *self, Py_ssize_t posted)
     if (failed)
         return -1;
     PyObject *active = PyDict_GetItemWithError(watchdog_dict, s_active);
-    if (pending && active == Py_True) { /* as Work.adopt: the watchdog watches each pending op */
+    if (pending && active == Py_True) { /* as Work.__init__ does for a batch's op: the watchdog watches it */
         PyObject *track = PyDict_GetItemString(watchdog_dict, "track");
         for (Py_ssize_t i = 0; track != NULL && i < posted; i++) {
             PyObject *r = PyObject_CallOneArg(track, (PyObject *)self->info[i].work);

@@ -214,10 +214,18 @@ class Work(_WorkBase):
     __slots__ = () if _WorkBase is not _Fields else _WORK_FIELDS
 
     def __init__(
-        self, group: ProcessGroup, receive: bool, peer: int, tag: int, resolved: Resolved, what: str | None
+        self,
+        group: ProcessGroup,
+        receive: bool,
+        peer: int,
+        tag: int,
+        resolved: Resolved,
+        what: str | None,
+        request: MPI.Request | None = None,
     ) -> None:
-        """Post the op (``what`` names the call for a posting error); with ``what`` None, only hold it (a batch's
-        op, its request given by ``adopt``).  If posting fails, the buffer is released and the error raised."""
+        """Post the op (``what`` names the call for a posting error); with ``what`` None, only hold it: a batch's op,
+        ``request`` the request the batch posted for it (None: not posted).  If posting fails, the buffer is released
+        and the error raised."""
         spec, self._nbytes, self._keep, self._after = resolved
         self._group = group
         self._receive = receive
@@ -228,6 +236,11 @@ class Work(_WorkBase):
         self._state = _FAILED  # never pending until a request exists (``_request`` is set by posting or settling)
         self.posted = time.monotonic()
         if what is None:
+            if request is not None:
+                self._request = request
+                self._state = _PENDING
+                if watchdog.active:
+                    watchdog.track(self)
             return
         if dropped:
             reap_dropped()
@@ -241,13 +254,6 @@ class Work(_WorkBase):
         except BaseException:
             self._settle(CommunicationError(f"{what}: not posted"))
             raise
-        self._state = _PENDING
-        if watchdog.active:
-            watchdog.track(self)
-
-    def adopt(self, request: MPI.Request) -> None:
-        """Take over a request a batch posted for this op."""
-        self._request = request
         self._state = _PENDING
         if watchdog.active:
             watchdog.track(self)
@@ -347,6 +353,13 @@ class Work(_WorkBase):
                 received = status.Get_count(_BYTE)
                 if received != self._nbytes:
                     error = errors.size_error(self._source, status.Get_tag(), self._nbytes, received)
+        if error is None and self._after is None:  # ``_settle`` made lean: nothing to run, the buffer to release
+            self._request = _REQUEST_NULL
+            self._keep = None
+            self._state = _DONE
+            if watchdog.active:
+                watchdog.untrack(self)
+            return
         self._settle(error)
 
     def fail(self, code: int, status: MPI.Status | None) -> None:
@@ -406,6 +419,9 @@ class Work(_WorkBase):
 # --- a batch ---------------------------------------------------------------------------------
 
 
+_statuses: dict[int, list[list[MPI.Status]]] = {}  # Status lists for Waitall by length, reused once read
+
+
 class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
     """The ops of one ``batch_isend_irecv``: the list of per-op works torch returns, completed by one ``Waitall``.
 
@@ -428,30 +444,32 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
         self._group = group
         self.posted = time.monotonic()
         self._state = _DONE
-        works = [
-            Work(group, receive, peer, tag, buffer, None)  # type: ignore[arg-type]
-            for (receive, peer, tag, _), buffer in zip(ops, resolved, strict=True)
-        ]
+        works: list[Work] = []
+        if ops:
+            assert group is not None
+            if dropped:
+                reap_dropped()
+            comm = group.communicator
+            try:
+                for (receive, peer, tag, _), buffer in zip(ops, resolved, strict=True):
+                    spec = buffer[0]
+                    request = comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag)  # type: ignore[union-attr]
+                    works.append(Work(group, receive, peer, tag, buffer, None, request))
+            except BaseException as exc:
+                posted = len(works)
+                works += [
+                    Work(group, receive, peer, tag, buffer, None)  # not posted
+                    for (receive, peer, tag, _), buffer in zip(ops[posted:], resolved[posted:], strict=True)
+                ]
+                self._works = tuple(works)
+                self.extend(works)
+                if isinstance(exc, MPI.Exception):
+                    raise self._withdraw(what, exc, posted) from exc
+                self._withdraw(what, None, posted)
+                raise
+            self._state = _PENDING
         self._works = tuple(works)
         self.extend(works)
-        if not ops:
-            return
-        assert group is not None
-        if dropped:
-            reap_dropped()
-        comm = group.communicator
-        posted = 0
-        try:
-            for work, (receive, peer, tag, _), (spec, _, _, _) in zip(works, ops, resolved, strict=True):
-                work.posted = self.posted
-                work.adopt(comm.Irecv(spec, peer, tag) if receive else comm.Isend(spec, peer, tag))  # type: ignore[union-attr]
-                posted += 1
-        except MPI.Exception as exc:
-            raise self._withdraw(what, exc, posted) from exc
-        except BaseException:
-            self._withdraw(what, None, posted)
-            raise
-        self._state = _PENDING
 
     def _withdraw(self, what: str, exc: MPI.Exception | None, posted: int) -> CommunicationError:
         """After op ``posted`` could not be posted: cancel the posted receives, release every buffer; the error to
@@ -482,12 +500,25 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True."""
-        if timeout is None:
-            self._wait_works([w for w in self._works if w._state == _PENDING])
-        else:
+        if timeout is not None:
             limit = seconds(timeout, "timeout")
             assert limit is not None
             poll(self.test, limit, self._still_pending)
+        elif pending := [w for w in self._works if w._state == _PENDING]:
+            spare = _statuses.get(len(pending))
+            statuses = spare.pop() if spare else []  # mpi4py fills the Status objects it is given in place
+            try:
+                _Waitall([w._request for w in pending], statuses)
+            except MPI.Exception as exc:
+                self._wait_works(pending, exc, statuses)  # these statuses are not reused
+            else:
+                for work, status in zip(pending, statuses, strict=True):
+                    work.complete(status if work._receive else None)
+                self._state = _DONE
+                if spare is None:
+                    _statuses[len(statuses)] = [statuses]
+                elif len(spare) < 4:
+                    spare.append(statuses)
         self._raise_failures()
         return True
 
@@ -531,7 +562,7 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
                 return
             failed, statuses = None, None
             pending = [w for w in pending if w._state == _PENDING]  # reported as still pending: wait again
-        self._state = _DONE if self.exception() is None else _FAILED
+        self._state = _FAILED if any(w._exception is not None for w in self._works) else _DONE
 
     def _finish(self, statuses: list[MPI.Status], failed: MPI.Exception | None) -> None:
         """After the compiled engine's ``Waitall`` of every op, in order, completed them (``statuses``) with a size
@@ -586,7 +617,7 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
         return [w.describe(now) for w in self._works if not w.test()]  # each op tested on its own
 
     def _raise_failures(self) -> None:
-        failed = [e for w in self._works if (e := w.exception()) is not None]
+        failed = [e for w in self._works if (e := w._exception) is not None]
         if failed:
             raise errors.batch_failures(failed)
 
