@@ -304,11 +304,10 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
-    *,
     sort_ranks: bool = True,
 ) -> ProcessGroup:
     """Create a group of the given global ranks (all by default); members get rank order by global rank, or with
-    ``sort_ranks=False`` (TensorPlay's ``split_group``) the order of ``ranks``.
+    ``sort_ranks=False`` (torch 2.13's argument; TensorPlay's ``split_group`` uses it) the order of ``ranks``.
 
     Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
     non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
