@@ -280,15 +280,16 @@ def not_in_parent(what: str, rank: int, parent: str) -> str:
 # --- objects: the object collectives and object P2P ----------------------------------------------
 
 
-def peers_failed(what: str, role: str, ranks: list[int]) -> DistError:
-    """Ranks ``ranks`` (global) could not give their objects (``role``: "rank", "source", "sender"), so this
-    rank's call, correct in itself, got nothing; each of them raised its own error."""
+def peers_failed(what: str, role: str, ranks: list[int], group: str) -> DistError:
+    """Ranks ``ranks`` (global) of ``group`` (as ``describe`` words it) could not give their objects (``role``:
+    "rank", "source", "sender"), so this rank's call, correct in itself, got nothing; each raised its own error."""
     who = ", ".join(map(str, ranks))
     plural = "s" if len(ranks) > 1 else ""
     their = "their" if len(ranks) > 1 else "its"
     return DistError(
         f"{what}: the {role}{plural} at global rank{plural} {who} could not pickle or give {their} objects, and "
-        f"raised {their} error there; nothing was delivered here, and the group is ready for its next call"
+        f"raised {their} error there (see its output); nothing was delivered here, and {group} is ready for its "
+        "next call"
     )
 
 

@@ -114,7 +114,9 @@ def _root(pg: ProcessGroup, rank: int | None, group_rank: int | None, what: str,
     return resolve_peer(pg, rank, group_rank, what, names)
 
 
-def _failed(what: str, role: str, failed: list[int], mine: Exception | None, problem: Exception | None) -> None:
+def _failed(
+    what: str, pg: ProcessGroup, role: str, failed: list[int], mine: Exception | None, problem: Exception | None
+) -> None:
     """After the size exchange: raise if some ranks (``failed``, global) could not give their objects; this rank's
     own error first, then its list's problem, else ``DistError`` naming them."""
     if mine is not None:
@@ -122,7 +124,7 @@ def _failed(what: str, role: str, failed: list[int], mine: Exception | None, pro
     if failed:
         if problem is not None:
             raise problem
-        raise errors.peers_failed(what, role, failed)
+        raise errors.peers_failed(what, role, failed, pg.describe())
 
 
 def _negative(pg: ProcessGroup, sizes: np.ndarray) -> list[int]:
@@ -145,7 +147,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     data, mine = _pickled(obj)
     sizes = np.empty(size, np.int64)
     all_gather_into_tensor(sizes, np.array([_FAILED if data is None else len(data)], np.int64), group=pg)
-    _failed(what, "rank", _negative(pg, sizes), mine, problem)
+    _failed(what, pg, "rank", _negative(pg, sizes), mine, problem)
     assert data is not None
     width = int(sizes.max())
     out = np.empty(size * width, np.uint8)
@@ -184,7 +186,7 @@ def gather_object(
     data, mine = _pickled(obj)
     sizes = np.empty(size, np.int64)
     all_gather_into_tensor(sizes, np.array([_FAILED if data is None else len(data)], np.int64), group=pg)
-    _failed(what, "rank", _negative(pg, sizes), mine, problem)
+    _failed(what, pg, "rank", _negative(pg, sizes), mine, problem)
     assert data is not None
     width = int(sizes.max())
     out = np.empty((size, width), np.uint8) if here else None
@@ -224,7 +226,7 @@ def broadcast_object_list(
         problem = _list_problem(object_list, what, "object_list", None)
     broadcast(header, group_src=at, group=pg)
     count, nbytes = header.tolist()
-    _failed(what, "source", [pg.global_of[at]] if count < 0 else [], mine, problem)
+    _failed(what, pg, "source", [pg.global_of[at]] if count < 0 else [], mine, problem)
     if payload is None:
         payload = np.empty(nbytes, np.uint8)
     if nbytes:
@@ -266,7 +268,7 @@ def scatter_object_list(
         blocks, mine = _scatter_blocks(scatter_object_input_list, size, what)
         header[0] = _FAILED if blocks is None else blocks.shape[1]
     broadcast(header, group_src=at, group=pg)
-    _failed(what, "source", [pg.global_of[at]] if header[0] < 0 else [], mine, problem)
+    _failed(what, pg, "source", [pg.global_of[at]] if header[0] < 0 else [], mine, problem)
     block = np.empty(int(header[0]), np.uint8)
     scatter(block, None if blocks is None else list(blocks), group_src=at, group=pg)
     if problem is not None:
@@ -355,7 +357,7 @@ def recv_object_list(
         return sender
     count, nbytes = header.tolist()
     if count < 0:
-        raise errors.peers_failed(what, "sender", [sender])
+        raise errors.peers_failed(what, "sender", [sender], pg.describe())
     payload = np.empty(nbytes, np.uint8)
     if nbytes:
         recv(payload, group=pg, group_src=pg.group_of[sender])
