@@ -122,6 +122,7 @@ def new_cart_group(
         if len(wrap) != len(wanted):
             raise ValueError(f"periods has {len(wrap)} entries but dims has {len(wanted)}")
     cart = comm.Create_cart(wanted, wrap, bool(reorder))
+    groups.counted()
     if cart == MPI.COMM_NULL:
         return GroupMember.NON_GROUP_MEMBER  # type: ignore[return-value]
     pg = CartGroup(cart, f"cart{next(_cart_names)}({'x'.join(map(str, wanted))})")

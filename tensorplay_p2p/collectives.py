@@ -46,6 +46,7 @@ __all__ = [
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
@@ -56,11 +57,17 @@ __all__ = [
     "monitored_barrier",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
 ]
 
 _IN_PLACE = MPI.IN_PLACE
+
+# torch 2.13's names for all_gather_into_tensor and reduce_scatter_tensor (which torch now marks deprecated): the same
+# functions, so both names work and neither warns
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 _Testall = MPI.Request.Testall
 
 

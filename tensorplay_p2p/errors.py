@@ -13,6 +13,10 @@ from mpi4py import MPI
 __all__ = [
     "CommunicationError",
     "CommunicationTimeout",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
     "MessageMismatchError",
     "MessageSizeError",
     "batch_failures",
@@ -28,7 +32,26 @@ __all__ = [
 ]
 
 
-class CommunicationError(RuntimeError):
+class DistError(RuntimeError):
+    """torch.distributed's base class of its errors, under the same name, so that ported code that catches
+    ``dist.DistError`` runs: every error of the package's communication is one (through ``DistBackendError``)."""
+
+
+class DistBackendError(DistError):
+    """torch's error of a backend's communication: ``CommunicationError`` and its subclasses are ones, so that
+    ``except dist.DistBackendError`` catches a failed or timed-out operation."""
+
+
+class DistNetworkError(DistError):
+    """torch's error of the network (its TCPStore's connections); defined for code that catches it: the package
+    has no store, and MPI's failures are ``CommunicationError``, a ``DistBackendError``."""
+
+
+class DistStoreError(DistError):
+    """torch's error of its key-value store; defined for code that catches it: the package has no store."""
+
+
+class CommunicationError(DistBackendError):
     """An MPI operation failed; names the op, peer and tag and carries MPI's error string."""
 
     def __init__(
@@ -201,4 +224,140 @@ def timeout_error(prefix: str, timeout: float, lines: tuple[str, ...]) -> Commun
         f"{prefix}timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
         f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
         pending=lines,
+    )
+
+
+# --- groups: new_subgroups, split_group --------------------------------------------------------
+
+
+def no_subgroups(what: str, name: str) -> str:
+    """``name`` (the list of rank lists) is None or empty."""
+    return f"{what}: The arg '{name}' cannot be None or empty; give one list of ranks per subgroup"
+
+
+def overlapping_subgroups(what: str, rank: int, first: list[int], second: list[int]) -> str:
+    """``rank`` is in two of the lists (torch's words)."""
+    return f"{what}: Rank {rank} has appeared in both subgroup {first} and {second}; the subgroups must be disjoint"
+
+
+def subgroup_size(group_size: int, size: int | None) -> str:
+    """``new_subgroups``' ``group_size`` does not fit the group of ``size`` ranks (None: it is not positive)."""
+    if size is None:
+        return f"new_subgroups: The arg 'group_size' ({group_size}) must be positive"
+    if size < group_size:
+        return f"new_subgroups: The arg 'group_size' ({group_size}) must not exceed the world size ({size})"
+    return f"new_subgroups: The world size ({size}) must be divisible by 'group_size={group_size}'"
+
+
+def split_ranks_type(value: object) -> str:
+    """``split_group``'s ``split_ranks``, or one of its entries, is not a list."""
+    return f"split_group: split_ranks must be a list of lists of group ranks, not one holding {type(value).__name__}"
+
+
+def split_empty(what: str) -> str:
+    """A list of ``split_ranks`` is empty (torch's words)."""
+    return f"{what}: the split group cannot be empty"
+
+
+def split_duplicate(what: str, rank: int) -> str:
+    """A list of ``split_ranks`` names ``rank`` twice (torch's words, and the rank)."""
+    return f"{what}: the split group cannot have duplicate ranks (rank {rank} appears twice)"
+
+
+def split_rank_range(what: str, rank: int, parent: str) -> str:
+    """A rank of ``split_ranks`` is not a group rank of the parent."""
+    return (
+        f"{what}: Rank {rank} is out of range for the parent {parent}; split_ranks holds the parent's group ranks, "
+        "not global ranks"
+    )
+
+
+def not_in_parent(what: str, rank: int, parent: str) -> str:
+    """The caller is not a member of the group it splits (torch's words, and the group)."""
+    return f"{what}: Global rank {rank} is not part of the parent group: {parent}"
+
+
+# --- objects: the object collectives and object P2P ----------------------------------------------
+
+
+def peers_failed(what: str, role: str, ranks: list[int], group: str) -> DistError:
+    """Ranks ``ranks`` (global) of ``group`` (as ``describe`` words it) could not give their objects (``role``:
+    "rank", "source", "sender"), so this rank's call, correct in itself, got nothing; each raised its own error."""
+    who = ", ".join(map(str, ranks))
+    plural = "s" if len(ranks) > 1 else ""
+    their = "their" if len(ranks) > 1 else "its"
+    return DistError(
+        f"{what}: the {role}{plural} at global rank{plural} {who} could not pickle or give {their} objects, and "
+        f"raised {their} error there (see its output); nothing was delivered here, and {group} is ready for its "
+        "next call"
+    )
+
+
+def object_count(what: str, name: str, have: int, count: int, sender: str) -> str:
+    """A receiving list holds ``have`` entries where the sender (``sender``, as ``peer_text`` words it) sent
+    ``count`` objects."""
+    return (
+        f"{what}: {name} has {have} entries, but {sender} sent {count} objects; give a list of {count} entries, "
+        "as long as the sender's (the objects were received and dropped)"
+    )
+
+
+def object_list_short(what: str, name: str, have: int, need: int) -> str:
+    """A receiving list holds fewer entries than the group has ranks."""
+    return f"{what}: {name} has {have} entries; it needs one per rank of the group ({need})"
+
+
+def gather_list(what: str, root: str, here: bool) -> str:
+    """``object_gather_list`` missing on the root, or given elsewhere (torch's words, and the root)."""
+    if here:
+        return f"{what}: Argument ``object_gather_list`` must be specified on destination rank ({root}, this one)."
+    return (
+        f"{what}: Argument ``object_gather_list`` must NOT be specified on non-destination ranks (the destination "
+        f"is {root}); give None here"
+    )
+
+
+def scatter_output(what: str) -> str:
+    """``scatter_object_output_list`` is not a non-empty list (torch's words)."""
+    return f"{what}: Expected argument scatter_object_output_list to be a list of size at least 1."
+
+
+def scatter_input_missing(what: str) -> str:
+    """The root gave no ``scatter_object_input_list`` (torch's words)."""
+    return f"{what}: source rank must provide non-None scatter_object_input_list"
+
+
+def scatter_input_count(what: str, have: int, size: int) -> str:
+    """The root's ``scatter_object_input_list`` does not hold one object per rank."""
+    return (
+        f"{what}: scatter_object_input_list has {have} objects; it needs one per rank of the group ({size}); "
+        "nothing was scattered"
+    )
+
+
+def object_list_type(what: str, name: str, value: object) -> str:
+    """``name`` is not a list that can be written into."""
+    return f"{what}: {name} must be a list, not {type(value).__name__}"
+
+
+def object_self(what: str, role: str) -> str:
+    """A send to, or a receive from, the caller itself (torch's words)."""
+    return f"{what}: Invalid {role} rank: {role} rank should not be the same as the rank of the current process."
+
+
+# --- runtime: get_node_local_rank ------------------------------------------------------------------
+
+
+def local_rank_invalid(name: str, value: str) -> str:
+    """The variable ``name`` that gives the local rank holds ``value``, which is not an integer."""
+    return f"get_node_local_rank: the environment variable {name} is {value!r}, not an integer"
+
+
+def local_rank_unknown(names: tuple[str, ...]) -> str:
+    """No launcher said the local rank (torch's words, and the variables read)."""
+    return (
+        "get_node_local_rank: LOCAL_RANK is not in the environment, nor any MPI launcher's local rank ("
+        + ", ".join(names[1:])
+        + "). Consider passing fallback_rank to allow `get_node_local_rank` to work, assuming you are not running "
+        "in a multi-device context and want the code to run locally instead."
     )

@@ -10,18 +10,23 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
+from . import errors
+
 __all__ = [
     "GroupMember",
     "ProcessGroup",
     "get_global_rank",
     "get_group_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
     "group",
     "group_from_comm",
     "new_group",
+    "new_subgroups",
     "new_subgroups_by_enumeration",
+    "split_group",
 ]
 
 _CREATE_GROUP_TAG = 7321  # Comm.Create_group tag, distinct from 0 so user code cannot collide by accident
@@ -170,6 +175,21 @@ class group:  # noqa: N801  (torch.distributed spells it ``group.WORLD``)
 
 
 created: list[ProcessGroup] = []
+_pg_count = 1  # torch's get_pg_count(): the world, then one per group made; 0 once the world is destroyed
+
+
+def counted(n: int = 1) -> None:
+    """Count ``n`` groups made by a call on this rank (``get_pg_count``)."""
+    global _pg_count
+    _pg_count += n
+
+
+def get_pg_count() -> int:
+    """The number of process groups made on this rank, the world included, as torch's ``get_pg_count``: every
+    group a call of this rank made counts (a non-member's ``NON_GROUP_MEMBER`` too, one per list of
+    ``new_subgroups_by_enumeration``), ``split_group``'s excepted, as in torch; destroying one group does not
+    uncount it, and ``destroy_process_group()`` sets the count to 0 until the world is initialised again."""
+    return _pg_count
 
 
 def resolve_group(pg: ProcessGroup | None) -> ProcessGroup:
@@ -262,7 +282,7 @@ def _world_ranks(ranks: Iterable[object], what: str, sort: bool = True) -> list[
     members = [to_int(r, f"{what} entry") for r in ranks]
     for r in members:
         if not 0 <= r < world_size:
-            raise ValueError(f"{what}: rank {r} is out of range for a world of size {world_size}")
+            raise ValueError(f"{what}: Rank {r} is out of range for a world of size {world_size}")
     ordered = sorted(members)
     for a, b in itertools.pairwise(ordered):
         if a == b:
@@ -284,11 +304,10 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
-    *,
     sort_ranks: bool = True,
 ) -> ProcessGroup:
     """Create a group of the given global ranks (all by default); members get rank order by global rank, or with
-    ``sort_ranks=False`` (TensorPlay's ``split_group``) the order of ``ranks``.
+    ``sort_ranks=False`` (torch 2.13's argument; TensorPlay's ``split_group`` uses it) the order of ``ranks``.
 
     Called by every rank (torch style) or by the members only (MPI ``Comm.Create_group``);
     non-members get ``GroupMember.NON_GROUP_MEMBER`` without communicating.
@@ -297,6 +316,7 @@ def new_group(
     world = GroupMember.WORLD.live_comm("new_group")
     members = _world_ranks(range(world.Get_size()) if ranks is None else ranks, "new_group ranks", sort_ranks)
     name = group_desc or f"group{next(_names)}"
+    counted()
     if world.Get_rank() not in members:
         return GroupMember.NON_GROUP_MEMBER
     world_group = world.Get_group()
@@ -325,31 +345,143 @@ def new_subgroups_by_enumeration(
     Returns ``(the caller's group or None, one entry per list)``; entries for groups the
     caller is not in are ``GroupMember.NON_GROUP_MEMBER``.
     """
-    named = check_backend(backend, "new_subgroups_by_enumeration") or GroupMember.WORLD.backend
-    world = GroupMember.WORLD.live_comm("new_subgroups_by_enumeration")
+    what = "new_subgroups_by_enumeration"
+    named = check_backend(backend, what) or GroupMember.WORLD.backend
+    world = GroupMember.WORLD.live_comm(what)
     if isinstance(ranks_per_subgroup_list, (str, bytes)) or not isinstance(ranks_per_subgroup_list, Sequence):
         raise TypeError("ranks_per_subgroup_list must be a list of lists of global ranks")
     if not ranks_per_subgroup_list:
-        raise ValueError("ranks_per_subgroup_list must not be empty")
-    lists = [_world_ranks(r, "new_subgroups_by_enumeration ranks") for r in ranks_per_subgroup_list]
+        raise ValueError(errors.no_subgroups(what, "ranks_per_subgroup_list"))
+    lists = [_world_ranks(r, f"{what} ranks") for r in ranks_per_subgroup_list]
     owner: dict[int, int] = {}
     for i, members in enumerate(lists):
         for r in members:
             if r in owner:
-                raise ValueError(
-                    f"rank {r} appears in subgroup {owner[r]} and subgroup {i}; subgroups must be disjoint"
-                )
+                raise ValueError(errors.overlapping_subgroups(what, r, lists[owner[r]], members))
             owner[r] = i
-    me = world.Get_rank()
-    color = owner.get(me, MPI.UNDEFINED)
-    comm = cast(MPI.Intracomm, world.Split(color, me))
+    return _split(GroupMember.WORLD, world, lists, group_desc, named, key_by_group_rank=False)
+
+
+def _split(
+    parent: ProcessGroup,
+    comm: MPI.Intracomm,
+    lists: list[list[int]],
+    group_desc: str | None,
+    backend: str,
+    *,
+    key_by_group_rank: bool,
+    count: bool = True,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split ``parent`` (its communicator ``comm``) into one group per list of global ranks, disjoint and checked
+    (``MPI_Comm_split``, collective over the parent's members); ranks in no list get None.  Group ranks follow
+    global rank order, or with ``key_by_group_rank`` the parent's group-rank order."""
+    me = parent.global_of[parent.rank()]
+    color = next((i for i, members in enumerate(lists) if me in members), MPI.UNDEFINED)
+    sub = cast(MPI.Intracomm, comm.Split(color, parent.rank() if key_by_group_rank else me))
     base = group_desc or f"group{next(_names)}"
+    if count:
+        counted(len(lists))
     if color == MPI.UNDEFINED:
         return None, [GroupMember.NON_GROUP_MEMBER] * len(lists)
-    mine = _register(comm, f"{base}.{color}")
-    mine.backend = named
+    mine = _register(sub, f"{base}.{color}")
+    mine.backend = backend
     subgroups = [mine if i == color else GroupMember.NON_GROUP_MEMBER for i in range(len(lists))]
     return mine, subgroups
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: timedelta | float | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split ``group`` (default: the world) into subgroups of ``group_size`` consecutive group ranks; collective
+    over the group's members.  Without ``group_size``, one subgroup per node: the members that share this node's
+    memory (``MPI_COMM_TYPE_SHARED``), where torch counts the node's CUDA devices.
+
+    Returns ``(the caller's subgroup, every subgroup)``: the others are ``GroupMember.NON_GROUP_MEMBER`` here.
+    """
+    what = "new_subgroups"
+    parent = resolve_group(group)
+    named = check_backend(backend, what) or parent.backend
+    if group_size is not None:
+        group_size = to_int(group_size, f"{what}: group_size")
+        if group_size <= 0:
+            raise ValueError(errors.subgroup_size(group_size, None))
+    comm = parent.live_comm(what)
+    size = parent.size()
+    if group_size is None:
+        return _node_subgroups(parent, comm, group_desc, named)
+    if size < group_size or size % group_size:
+        raise ValueError(errors.subgroup_size(group_size, size))
+    ranks = parent.global_of
+    lists = [list(ranks[i : i + group_size]) for i in range(0, size, group_size)]
+    return _split(parent, comm, lists, group_desc, named, key_by_group_rank=False)
+
+
+def _node_subgroups(
+    parent: ProcessGroup, comm: MPI.Intracomm, group_desc: str | None, backend: str
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """``new_subgroups`` without a size: one subgroup per node, in the order of each node's lowest group rank."""
+    me = parent.global_of[parent.rank()]
+    node = cast(MPI.Intracomm, comm.Split_type(MPI.COMM_TYPE_SHARED, me))
+    first = node.allreduce(parent.rank(), op=MPI.MIN)
+    firsts = sorted(set(comm.allgather(first)))
+    index = firsts.index(first)
+    base = group_desc or f"group{next(_names)}"
+    counted(len(firsts))
+    mine = _register(node, f"{base}.{index}")
+    mine.backend = backend
+    return mine, [mine if i == index else GroupMember.NON_GROUP_MEMBER for i in range(len(firsts))]
+
+
+def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: timedelta | float | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: str | None = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` (default: the world) into disjoint groups, one per list of the parent's group ranks;
+    collective over the parent's members (``MPI_Comm_split``).  Returns the caller's group, its ranks in the
+    parent's group-rank order, or None if the caller is in no list."""
+    what = "split_group"
+    parent = resolve_group(parent_pg)
+    if split_ranks is None or isinstance(split_ranks, (str, bytes)) or not isinstance(split_ranks, Sequence):
+        if split_ranks is not None:
+            raise TypeError(errors.split_ranks_type(split_ranks))
+        raise ValueError(errors.no_subgroups(what, "split_ranks"))
+    if not split_ranks:
+        raise ValueError(errors.no_subgroups(what, "split_ranks"))
+    named = check_backend(backend, what) or parent.backend
+    if not parent.is_member:
+        raise ValueError(errors.not_in_parent(what, MPI.COMM_WORLD.Get_rank(), parent.describe()))
+    comm = parent.live_comm(what)
+    size = parent.size()
+    lists: list[list[int]] = []
+    owner: dict[int, int] = {}
+    for i, split in enumerate(split_ranks):
+        if isinstance(split, (str, bytes)) or not isinstance(split, Sequence):
+            raise TypeError(errors.split_ranks_type(split))
+        members = sorted(to_int(r, f"{what}: split_ranks[{i}] entry") for r in split)
+        if not members:
+            raise ValueError(errors.split_empty(what))
+        for a, b in itertools.pairwise(members):
+            if a == b:
+                raise ValueError(errors.split_duplicate(what, a))
+        for r in members:
+            if not 0 <= r < size:
+                raise ValueError(errors.split_rank_range(what, r, parent.describe()))
+            if r in owner:
+                raise ValueError(errors.overlapping_subgroups(what, r, lists[owner[r]], members))
+            owner[r] = i
+        lists.append(members)
+    global_lists = [[parent.global_of[r] for r in members] for members in lists]
+    mine, _ = _split(parent, comm, global_lists, group_desc, named, key_by_group_rank=True, count=False)
+    return mine
 
 
 def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGroup:
@@ -360,18 +492,23 @@ def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGrou
         raise TypeError(f"group_from_comm needs an mpi4py Intracomm, not {type(comm).__name__}")
     pg = ProcessGroup(comm, name or comm.Get_name() or f"group{next(_names)}")
     created.append(pg)
+    counted()
     return pg
 
 
 def destroy_all() -> None:
+    global _pg_count
     for pg in created:
         pg._destroy()
     created.clear()
     GroupMember.WORLD._destroy()
+    _pg_count = 0
 
 
 def revive_world() -> None:
+    global _pg_count
     GroupMember.WORLD._bind(MPI.COMM_WORLD)
+    _pg_count = 1
 
 
 def destroy_one(pg: ProcessGroup) -> None:

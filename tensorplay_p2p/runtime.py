@@ -8,15 +8,18 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import groups, layouts, signals, watchdog
+from . import errors, groups, layouts, signals, watchdog
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
     "checked_mode",
     "destroy_process_group",
     "get_backend",
+    "get_node_local_rank",
     "init_process_group",
+    "is_available",
     "is_initialized",
+    "is_mpi_available",
     "tag_upper_bound",
 ]
 
@@ -24,6 +27,17 @@ __all__ = [
 ENV_CHECK = "TENSORPLAY_P2P_CHECK"
 # The number of this job's ranks on this node, as the launchers say it (Hydra, Open MPI, Slurm, MVAPICH, PMIx).
 _LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+# This process's rank among them: torchrun's LOCAL_RANK first (torch reads it), then Hydra's, Open MPI's, MVAPICH's,
+# PMI's (Cray PALS and others), and Slurm's last, since a job that mpiexec starts inside an allocation inherits the
+# batch step's SLURM_LOCALID.
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "PMI_LOCAL_RANK",
+    "SLURM_LOCALID",
+)
 ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
 
@@ -179,3 +193,30 @@ def get_backend(group: ProcessGroup | None = None) -> str:
         raise ValueError(f"get_backend: Invalid process group specified: {pg.describe()}")
     pg.live_comm("get_backend")
     return pg.backend
+
+
+def is_available() -> bool:
+    """Whether the distributed package is available, as torch's: always True here (importing it started MPI)."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    """Whether the MPI backend is available: always True here, since every group runs on MPI (torch's answers
+    whether torch itself was built with MPI, which PyPI's wheels are not)."""
+    return True
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank among the job's processes on its node, from the environment, as torch's: ``LOCAL_RANK``
+    (torchrun's), else the MPI launchers' variables (``LOCAL_RANK_VARIABLES``), else ``fallback_rank``;
+    RuntimeError when none is there.  It reads the environment only, and never communicates."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(errors.local_rank_invalid(name, value)) from None
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(errors.local_rank_unknown(LOCAL_RANK_VARIABLES))

@@ -4,7 +4,9 @@ Bad ranks and groups are rows of the bad-input table in test_rules.py."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,7 +189,7 @@ def test_new_subgroups_by_enumeration_splits_the_world() -> None:
 
 
 def test_new_subgroups_by_enumeration_rejects_overlap_and_leaves_outsiders_out() -> None:
-    with pytest.raises(ValueError, match="rank 0 appears in subgroup 0 and subgroup 1"):
+    with pytest.raises(ValueError, match=r"Rank 0 has appeared in both subgroup \[0\] and \[0\]"):
         dist.new_subgroups_by_enumeration([[0], [0]])
     cur, subgroups = dist.new_subgroups_by_enumeration([[0]])
     if RANK == 0:
@@ -233,3 +235,144 @@ def test_destroyed_group_is_refused() -> None:
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError, match="has been destroyed"):
             dist.P2POp(dist.isend, np.zeros(1), peer=RANK, group=g)
+
+
+# --- new_subgroups and split_group ---------------------------------------------------------------
+
+
+def _summed(g: dist.ProcessGroup) -> float:
+    """The sum of the members' global ranks, reduced within ``g``."""
+    t = np.array([float(RANK)])
+    dist.all_reduce(t, group=g)
+    return float(t[0])
+
+
+def _layout(problems: list[str], what: str, cur: Any, subgroups: Any, ranks: list[int], index: int, count: int) -> None:
+    """Record how the caller's subgroup ``cur`` and the list ``subgroups`` differ from what torch gives."""
+    if cur is None or list(cur.ranks) != ranks or cur.rank() != ranks.index(RANK):
+        problems.append(f"rank {RANK}: {what}: the caller's subgroup is {cur!r}, expected ranks {ranks}")
+    elif len(subgroups) != count or subgroups[index] is not cur:
+        problems.append(f"rank {RANK}: {what}: subgroups {subgroups}, expected {count} with the caller's at {index}")
+    elif any(g is not dist.GroupMember.NON_GROUP_MEMBER for i, g in enumerate(subgroups) if i != index):
+        problems.append(f"rank {RANK}: {what}: the other subgroups are not NON_GROUP_MEMBER: {subgroups}")
+
+
+def test_new_subgroups_of_every_size_that_divides_the_group() -> None:
+    """Consecutive group ranks, as torch's chunks; a subgroup of a subgroup; a parent whose group ranks are not in
+    global order (each chunk of its group ranks, in global rank order, as torch's new_group sorts)."""
+    problems: list[str] = []
+    for k in [k for k in range(1, SIZE + 1) if SIZE % k == 0]:
+        cur, subgroups = dist.new_subgroups(k)
+        chunk = list(range(RANK // k * k, RANK // k * k + k))
+        _layout(problems, f"new_subgroups({k})", cur, subgroups, chunk, RANK // k, SIZE // k)
+        assert cur is not None
+        if _summed(cur) != sum(chunk):
+            problems.append(f"rank {RANK}: all_reduce in new_subgroups({k})'s subgroup")
+        dist.destroy_process_group(cur)
+    half, _ = dist.new_subgroups_by_enumeration(
+        [list(range(0, SIZE, 2)), list(range(1, SIZE, 2))] if SIZE > 1 else [[0]]
+    )
+    assert half is not None
+    sub, subs = dist.new_subgroups(group_size=1, group=half)  # torch's test_new_subgroups_with_group_param
+    _layout(problems, "new_subgroups(1, group=half)", sub, subs, [RANK], half.rank(), half.size())
+    backwards = dist.new_group(list(range(SIZE))[::-1], sort_ranks=False)  # group rank r is global SIZE - 1 - r
+    if SIZE % 2 == 0:
+        cur, subgroups = dist.new_subgroups(2, group=backwards)
+        pair = sorted([RANK, RANK + 1 if (SIZE - 1 - RANK) % 2 else RANK - 1])
+        _layout(problems, "new_subgroups(2, group=backwards)", cur, subgroups, pair, (SIZE - 1 - RANK) // 2, SIZE // 2)
+        if cur is not None and _summed(cur) != sum(pair):
+            problems.append(f"rank {RANK}: all_reduce in a pair of the backwards group")
+    assert not problems, problems
+    for g in (sub, half, backwards):
+        dist.destroy_process_group(g)
+
+
+def test_new_subgroups_without_a_size_makes_one_subgroup_per_node() -> None:
+    """torch counts the node's CUDA devices; here the node is the ranks that share memory (MPI_COMM_TYPE_SHARED),
+    ordered by their lowest rank."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    mates = sorted(node.allgather(RANK))
+    firsts = sorted(set(MPI.COMM_WORLD.allgather(mates[0])))
+    node.Free()
+    cur, subgroups = dist.new_subgroups()
+    problems: list[str] = []
+    _layout(problems, "new_subgroups()", cur, subgroups, mates, firsts.index(mates[0]), len(firsts))
+    assert cur is not None
+    if _summed(cur) != sum(mates):
+        problems.append(f"rank {RANK}: all_reduce in the node's subgroup")
+    assert not problems, problems
+    dist.destroy_process_group(cur)
+
+
+def test_new_subgroups_refuses_what_torch_refuses() -> None:
+    with pytest.raises(ValueError, match=r"The arg 'group_size' \(0\) must be positive"):
+        dist.new_subgroups(0)
+    with pytest.raises(ValueError, match=rf"The arg 'group_size' \({SIZE + 1}\) must not exceed the world size"):
+        dist.new_subgroups(SIZE + 1)
+    for k in range(2, SIZE):
+        if SIZE % k:
+            with pytest.raises(
+                ValueError, match=re.escape(f"The world size ({SIZE}) must be divisible by 'group_size={k}'")
+            ):
+                dist.new_subgroups(k)
+    with pytest.raises(TypeError, match="group_size must be an int, not str"):
+        dist.new_subgroups("2")  # type: ignore[arg-type]
+    alone = dist.new_group([0])
+    if RANK != 0:
+        with pytest.raises(ValueError, match=f"global rank {RANK}.* is not a member of group"):
+            dist.new_subgroups(1, group=alone)
+    else:
+        cur, subgroups = dist.new_subgroups(1, group=alone)
+        assert cur is not None and list(cur.ranks) == [0] and subgroups == [cur]
+        dist.destroy_process_group(alone)
+
+
+def test_split_group_splits_its_parent_by_group_ranks() -> None:
+    """Lists of the parent's group ranks, each taken in the parent's group-rank order (torch sorts them); group
+    rank 1 of the parent is in none and gets None; the default parent is the world."""
+    backwards = dist.new_group(list(range(SIZE))[::-1], sort_ranks=False)
+    me = backwards.rank()
+    splits = [list(range(0, SIZE, 2))[::-1]] + ([list(range(3, SIZE, 2))] if SIZE > 3 else [])
+    g = dist.split_group(backwards, splits)
+    problems: list[str] = []
+    mine = next((sorted(s) for s in splits if me in s), None)
+    if mine is None:
+        if g is not None:
+            problems.append(f"rank {RANK}: in no list, split_group returned {g!r}")
+    elif g is None or list(g.ranks) != [SIZE - 1 - r for r in mine] or g.rank() != mine.index(me):
+        problems.append(
+            f"rank {RANK}: split_group returned {g!r}, expected global ranks {[SIZE - 1 - r for r in mine]}"
+        )
+    elif _summed(g) != sum(SIZE - 1 - r for r in mine):
+        problems.append(f"rank {RANK}: all_reduce in the split group")
+    lone = dist.split_group(split_ranks=[[r] for r in range(SIZE)], group_desc="lone")
+    if lone is None or list(lone.ranks) != [RANK] or not lone.name.startswith("lone"):
+        problems.append(f"rank {RANK}: split_group into singletons gave {lone!r}")
+    assert not problems, problems
+    for group in (g, lone, backwards):
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def test_split_group_refuses_what_torch_refuses() -> None:
+    for split_ranks, error, text in (
+        (None, ValueError, "The arg 'split_ranks' cannot be None or empty"),
+        ([], ValueError, "cannot be None or empty"),
+        ([[]], ValueError, "the split group cannot be empty"),
+        ([[0, 0]], ValueError, r"the split group cannot have duplicate ranks \(rank 0 appears twice\)"),
+        ([[0], [SIZE]], ValueError, f"Rank {SIZE} is out of range for the parent group 'WORLD'"),
+        ([[-1]], ValueError, "Rank -1 is out of range"),
+        ([[0], [0]], ValueError, r"Rank 0 has appeared in both subgroup \[0\] and \[0\]"),
+        ("01", TypeError, "split_ranks must be a list of lists"),
+        ([0], TypeError, "split_ranks must be a list of lists of group ranks, not one holding int"),
+    ):
+        with pytest.raises(error, match=text):
+            dist.split_group(split_ranks=split_ranks)  # type: ignore[arg-type]
+    alone = dist.new_group([0])
+    if RANK != 0:
+        with pytest.raises(ValueError, match=f"Global rank {RANK} is not part of the parent group"):
+            dist.split_group(alone, [[0]])
+    else:
+        g = dist.split_group(alone, [[0]])
+        assert g is not None and list(g.ranks) == [0]
+        dist.destroy_process_group(alone)

@@ -276,7 +276,7 @@ BAD_INPUTS: list[Row] = [
         "new_group rank out of range",
         lambda: dist.new_group([0, SIZE]),
         ValueError,
-        rf"rank {SIZE} is out of range for a world of size {SIZE}",
+        rf"Rank {SIZE} is out of range for a world of size {SIZE}",
     ),
     ("new_group duplicate", lambda: dist.new_group([0, 0]), ValueError, "rank 0 appears more than once"),
     ("new_group str rank", lambda: dist.new_group(["0"]), TypeError, "must be an int"),  # type: ignore[list-item]

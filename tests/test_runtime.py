@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from datetime import timedelta
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from world import RANK, SIZE
 
 import tensorplay_p2p as dist
@@ -98,3 +100,56 @@ def test_get_backend_answers_the_name_each_group_was_made_with() -> None:
     dist.destroy_process_group()
     dist.init_process_group()
     assert dist.get_backend() == "mpi"
+
+
+def test_get_pg_count_counts_the_groups_made_as_torch_s_does() -> None:
+    """The world once initialised, then one per group made (a list of new_subgroups_by_enumeration each, a non-
+    member's call too), split_group's excepted as in torch; destroying one group does not uncount it."""
+    assert dist.get_pg_count() == 0  # destroyed by the fixture, as torch's before init_process_group
+    dist.init_process_group()
+    assert dist.get_pg_count() == 1
+    dist.new_group([0])  # NON_GROUP_MEMBER on the other ranks: counted there too, as in torch
+    assert dist.get_pg_count() == 2
+    cur, _ = dist.new_subgroups_by_enumeration([[r] for r in range(SIZE)])
+    assert dist.get_pg_count() == 2 + SIZE
+    dist.split_group(split_ranks=[list(range(SIZE))])
+    assert dist.get_pg_count() == 2 + SIZE
+    dist.new_subgroups(1)
+    assert dist.get_pg_count() == 2 + 2 * SIZE
+    assert cur is not None
+    dist.destroy_process_group(cur)
+    assert dist.get_pg_count() == 2 + 2 * SIZE
+    dist.new_cart_group([SIZE])
+    assert dist.get_pg_count() == 3 + 2 * SIZE
+    dist.destroy_process_group()
+    assert dist.get_pg_count() == 0
+
+
+def test_availability_and_the_node_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCAL_RANK first, as torch; then the MPI launchers' variables; then fallback_rank; RuntimeError without."""
+    assert dist.is_available() is True and dist.is_mpi_available() is True
+    for name in dist.runtime.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not in the environment, nor any MPI launcher's local rank"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=7) == 7
+    for i, name in enumerate(reversed(dist.runtime.LOCAL_RANK_VARIABLES)):  # each takes over from the ones after it
+        monkeypatch.setenv(name, str(10 + i))
+        assert dist.get_node_local_rank(fallback_rank=7) == 10 + i
+    monkeypatch.setenv("LOCAL_RANK", "two")
+    with pytest.raises(ValueError, match="the environment variable LOCAL_RANK is 'two', not an integer"):
+        dist.get_node_local_rank()
+
+
+def test_the_node_local_rank_under_this_launcher() -> None:
+    """Under mpiexec (no LOCAL_RANK), the launcher's own variable: the node's ranks get 0 .. n - 1, one each (in
+    the launcher's order, which need not be the ranks' order: Open MPI may number them otherwise)."""
+    if "LOCAL_RANK" in os.environ:
+        pytest.skip("LOCAL_RANK is set in this environment")
+    if not any(name in os.environ for name in dist.runtime.LOCAL_RANK_VARIABLES):
+        pytest.skip("not started by a launcher that says the local rank (a singleton, without mpiexec)")
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.allgather(dist.get_node_local_rank())
+    size = node.Get_size()
+    node.Free()
+    assert sorted(local) == list(range(size)), local

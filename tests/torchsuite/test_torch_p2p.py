@@ -3,12 +3,14 @@
 Each pytest item is one test method of torch's ``DistributedTest._DistTestBase``, run on every rank under
 mpiexec with tensorplay_p2p as its ``dist`` (torchsuite_harness.py says how, torchsuite_shim.py what ``dist``
 holds; test_torch_backend.py runs torch's tests on torch.distributed itself, with the package's backend).  The
-table below is every point-to-point method of that class, and a few group methods the P2P tests build on, each
-with how it runs here:
+table below is every point-to-point method of that class, every one of the object collectives and of
+``new_subgroups``, and a few group methods the P2P tests build on, each with how it runs here:
 
 * as torch runs it for its CPU backend (``BACKEND="gloo"``), its own skip decorators honoured;
 * as a CPU rendition (``cpu=True``): an NCCL-only test whose body is meaningful on CPU tensors, run
   unchanged with its NCCL and GPU decorators bypassed and its tensors on the CPU;
+* bare (``bare=True``): its body past torch's runtime decorators, for the object tests that
+  ``with_dist_debug_levels`` wraps (it calls torch.distributed's own barrier, not the package's);
 * not at all, with the reason (NCCL profiler variants; tests that need more ranks than the run has).
 
 Known differences from torch.distributed are ``xfail`` with the reason, strict where the failure is exact, so
@@ -66,6 +68,14 @@ def _profiler(name: str) -> Case:  # at one rank nothing is sent, and none of th
     return Case(name, marks=_xfail(SIZE > 1 and NO_PROFILER_EVENTS, PROFILER, raises=AssertionError))
 
 
+DEFAULT_GROUP = (
+    "the test makes its subgroup with torch's own default group (distributed_c10d._get_default_group, which "
+    "distributed_test.py imports), which the package's dist does not initialise: ValueError from torch"
+)
+RANK_NOT_IN_GROUP = (
+    "the test calls torch's private dist._rank_not_in_group, which the package does not have (its public "
+    "equivalent: group.is_member, or get_rank(group) == -1)"
+)
 GROUP_0_1 = "the test makes new_group([0, 1])"
 NO_SENDER = "the test asserts that each of the world_size ranks sent to the others, which one rank cannot"
 RANKS_1_2 = "the test exchanges between ranks 1 and 2"
@@ -104,6 +114,26 @@ CASES = [
     Case("test_destroy_group", min_size=2, why=GROUP_0_1),
     Case("test_destroy_full_group"),
     Case("test_get_backend", min_size=2, why=GROUP_0_1),
+    # The object collectives and new_subgroups (torch skips test_broadcast_object_list, and on Linux
+    # test_new_subgroups and test_new_subgroups_by_enumeration).
+    Case("test_all_gather_object_default_pg", bare=True),
+    Case("test_all_gather_object_subgroup", bare=True, marks=_xfail(True, DEFAULT_GROUP, raises=ValueError)),
+    Case("test_gather_object", bare=True),  # torch: exactly 4 ranks
+    Case("test_gather_object_subgroup", bare=True, marks=_xfail(SIZE == 4, DEFAULT_GROUP, raises=ValueError)),
+    Case("test_scatter_object_list"),
+    Case("test_broadcast_object_list"),
+    Case("test_new_subgroups", cpu=True),
+    Case(
+        "test_new_subgroups_with_group_param",
+        cpu=True,
+        marks=_xfail(SIZE == 4, RANK_NOT_IN_GROUP, raises=AttributeError),
+    ),
+    Case("test_new_subgroups_group_size_exceeds_world_size", cpu=True),
+    Case("test_new_subgroups_world_size_not_divisible_by_group_size", cpu=True),
+    Case("test_new_subgroups_by_enumeration", cpu=True),
+    Case("test_new_subgroups_by_enumeration_input_rank_exceeds_world_size", cpu=True),
+    Case("test_new_subgroups_by_enumeration_negative_input_rank", cpu=True),
+    Case("test_new_subgroups_overlap_not_allowed", cpu=True),
 ]
 
 
@@ -116,10 +146,16 @@ def _point_to_point(name: str) -> bool:
     return any(word in name for word in ("send", "recv", "p2p", "P2P"))
 
 
+def _objects_or_subgroups(name: str) -> bool:
+    return "_object" in name or name.startswith("test_new_subgroups")
+
+
 def test_table_covers_torch() -> None:
-    """Every point-to-point test method of the installed torch is in the table (a new torch may add some)."""
+    """Every point-to-point, object and new_subgroups test method of the installed torch is in the table (a new
+    torch may add some)."""
     methods = harness.test_methods()
-    missing = sorted(name for name in methods if _point_to_point(name) and name not in {c.name for c in CASES})
-    assert not missing, f"torch's distributed_test.py has point-to-point tests the table does not list: {missing}"
+    listed = {c.name for c in CASES}
+    missing = sorted(n for n in methods if (_point_to_point(n) or _objects_or_subgroups(n)) and n not in listed)
+    assert not missing, f"torch's distributed_test.py has tests of the table's families it does not list: {missing}"
     unknown = sorted(c.name for c in CASES if c.name not in methods)
     assert not unknown, f"the table lists tests the installed torch does not have: {unknown}"

@@ -38,6 +38,10 @@ What is emulated, and why:
   ``"mpi"`` during the test, so that ``skip_if_small_worldsize`` (which skips every other backend below 8
   ranks) and ``skip_if_odd_worldsize`` let them run as they do for MPI.
 
+A *bare* run (``Case.bare``) calls the test's body past torch's runtime decorators, its static skips still honoured:
+for tests that ``with_dist_debug_levels`` wraps, which calls torch.distributed's own barrier between its runs (not
+the ``dist`` under test, in the package's table).
+
 Deadlocks: a test that fails on one rank can leave its peers blocked in a receive that no timeout can end (the
 torch tests call blocking ``recv`` and ``wait()``).  Each run is therefore watched: a rank whose test (with its
 barriers and the outcome exchange) has not finished within ``DEADLINE`` seconds (``Case.deadline``) prints its
@@ -127,6 +131,7 @@ class Case:
     name: str
     cpu: bool = False  # a CPU rendition of an NCCL or CUDA test
     mpi: bool = False  # an MPI rendition: as torch runs it for its MPI backend
+    bare: bool = False  # the body alone, past torch's runtime decorators (its static skips still hold)
     helpers: tuple[str, ...] = ()  # decorated helper methods a CPU rendition's body calls
     names_backend: bool = False  # the body compares the backend's name with BACKEND: it is the backend under test
     min_size: int = 1
@@ -386,6 +391,9 @@ def _call(test: TorchCase, case: Case) -> None:
     if case.cpu:
         with cpu_rendition(test, case.helpers):
             inspect.unwrap(method)(test)
+        return
+    if case.bare:  # with_dist_debug_levels, for one, calls torch.distributed's own barrier between its runs
+        inspect.unwrap(method)(test)
         return
     if case.mpi:  # what skip_if_small_worldsize and skip_if_odd_worldsize read; the lifecycle restores it
         os.environ["BACKEND"] = "mpi"
