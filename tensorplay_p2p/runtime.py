@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import groups, layouts, signals, watchdog
+from . import departures, groups, layouts, signals, watchdog
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
@@ -26,6 +26,7 @@ ENV_CHECK = "TENSORPLAY_P2P_CHECK"
 _LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
+ENV_DEPARTURES = "TENSORPLAY_P2P_DEPARTURES"
 
 
 def env_flag(name: str, default: bool = False) -> bool:
@@ -101,6 +102,7 @@ if (_startup_timeout := _env_timeout()) is not None:
     watchdog.enable(_startup_timeout)
 if env_flag(ENV_SIGNALS, default=True):
     signals.install()  # Ctrl-C and SIGTERM end a rank stuck in a wait (see signals)
+departures.install(env_flag(ENV_DEPARTURES, default=True))  # a wait on a rank that has left ends the job
 
 
 def init_process_group(
@@ -138,8 +140,10 @@ def init_process_group(
     state.initialized = True
     GroupMember.WORLD.backend = named
     state.timeout = limit
-    if limit is not None:
-        watchdog.enable(limit)
+    if limit is not None and _env_timeout() is None:  # the environment's limit, when set, is the watchdog's own
+        backstop = watchdog.BACKSTOP * limit
+        named = f"{backstop:g} s ({watchdog.BACKSTOP:g} times the {limit:g} s timeout of init_process_group)"
+        watchdog.enable(backstop, named)
     if check is not None:
         state.checked = bool(check)
 
