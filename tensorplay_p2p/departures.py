@@ -7,13 +7,15 @@ for it, at no cost while nothing waits long:
 
 - **Watching.**  A daemon thread looks at the rank's waits in progress (``signals.waits``: the compiled engine's and
   Python's, in every thread) five times a second, without any MPI call.  Only when a wait has lasted ``STALL``
-  seconds does it ask each rank the wait depends on to say when it leaves (one small message to that rank, at most
-  once per pair of ranks over the job, on a private duplicate of ``MPI_COMM_WORLD``), and look for such notices.
+  seconds does it ask each rank the wait depends on to say when it leaves (one small synchronous send to that rank,
+  at most once per pair of ranks over the job, on a private duplicate of ``MPI_COMM_WORLD``), and look for such
+  notices.
 - **Leaving.**  At exit (an ``atexit`` hook, after the dropped operations have had their time and before mpi4py
   finalizes MPI) the rank answers every request it has had or gets, "I have left", until every rank has reached
   its exit (``MPI_Ibarrier``; MPI's own finalize waits for the other ranks too, so nothing is added to a rank's
-  life).  The ranks then sum how many of these messages each sent to each other (``MPI_Ireduce_scatter_block``) and
-  receive them all, so that nothing is left unmatched or pending when MPI is finalized.
+  life).  A rank enters that barrier only once its own requests have been received (they are synchronous sends),
+  so when the barrier completes no request is in flight; each rank then receives the one answer to each of its
+  requests, and MPI is finalized with nothing unmatched or pending.
 - **Ending the wait.**  A wait that still waits ``GRACE`` seconds after a rank it depends on left (a message that
   rank sent before leaving has arrived by then) can never complete: the rank prints what it waits for, in the
   watchdog's format, naming the rank that left, and aborts the job with exit status ``EXIT_CODE``.
@@ -62,7 +64,7 @@ STALL = 0.5  # seconds a wait lasts before the ranks it depends on are asked to 
 GRACE = 0.5  # seconds after a rank left that a wait depending on it may still complete (a message in flight)
 THREAD_GRACE = 1.0  # seconds a wait in another thread gets, at exit, to complete before the job is aborted
 POLL = 0.2  # seconds between two looks at the waits
-_MAX_PAUSE = 5e-3  # the longest sleep between two tests at exit
+_MAX_PAUSE = 1e-3  # the longest sleep between two tests at exit
 
 _SUBSCRIBE, _LEFT = 1, 2  # the tags on the private communicator: "tell me when you leave", "I have left"
 _SOME, _EVERY = 0, 1  # a wait is blocked when some rank of its set has left, or every rank of it
@@ -131,9 +133,8 @@ class _Watch:
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
-        self.sent = np.zeros(comm.Get_size(), np.int64)  # messages sent to each rank
-        self.received = 0
-        self.sends: list[tuple[MPI.Request, np.ndarray]] = []  # in flight, with their buffers
+        self.requests: list[tuple[MPI.Request, np.ndarray]] = []  # the subscriptions in flight, with their buffers
+        self.answers: list[tuple[MPI.Request, np.ndarray]] = []  # at exit, the answers in flight
         self.subscribed: set[int] = set()
         self.left: dict[int, tuple[float, bool]] = {}  # rank → (when it left, on this clock; by an exception)
         self.first_seen: dict[tuple[Any, ...], float] = {}
@@ -157,7 +158,6 @@ class _Watch:
         if not stalled or self.stop.is_set() or MPI.Is_finalized():
             return
         self.read_notices()
-        self.sends = [(request, buffer) for request, buffer in self.sends if not request.Test()]
         waits = [(wait, _needs(wait.waited, self.rank)) for wait in stalled]
         for _, need in waits:
             if need is not None:
@@ -177,28 +177,16 @@ class _Watch:
         for rank in staying if kind == _SOME else staying[:1]:
             if rank not in self.subscribed:
                 self.subscribed.add(rank)
-                self.send(rank, _SUBSCRIBE, 0.0, False)
-
-    def send(self, rank: int, tag: int, ago: float, raised: bool) -> None:
-        buffer = np.array([ago, float(raised)])
-        self.sends.append((self.comm.Isend([buffer, MPI.DOUBLE], rank, tag), buffer))
-        self.sent[rank] += 1
+                buffer = np.zeros(2)
+                self.requests.append((self.comm.Issend([buffer, MPI.DOUBLE], rank, _SUBSCRIBE), buffer))
 
     def read_notices(self) -> None:
         """Take in the "I have left" notices that have arrived."""
         status = MPI.Status()
         while (message := self.comm.Improbe(MPI.ANY_SOURCE, _LEFT, status)) is not None:
-            self.take(message, status)
-
-    def take(self, message: MPI.Message, status: MPI.Status) -> tuple[int, int]:
-        """Receive one probed message; returns (its source, its tag)."""
-        buffer = np.empty(2)
-        message.Recv([buffer, MPI.DOUBLE])
-        self.received += 1
-        source, tag = status.Get_source(), status.Get_tag()
-        if tag == _LEFT:
-            self.left[source] = (time.monotonic() - buffer[0], bool(buffer[1]))
-        return source, tag
+            buffer = np.empty(2)
+            message.Recv([buffer, MPI.DOUBLE])
+            self.left[status.Get_source()] = (time.monotonic() - buffer[0], bool(buffer[1]))
 
     def abort(self, ended: list[tuple[signals.Wait, frozenset[int]]], now: float) -> None:
         lines = [line for wait, _ in ended for line in wait.lines(now)] or ["(the wait completed as it was named)"]
@@ -214,30 +202,29 @@ class _Watch:
         abort_job(report, EXIT_CODE)
 
     def leave(self) -> None:
-        """At exit: answer "I have left" until every rank has reached its exit, then receive every message still
-        addressed to this rank and complete every send, so that MPI is finalized with nothing pending."""
+        """At exit: answer "I have left" until every rank has reached its exit, then receive the answers to this rank's
+        own requests and complete every send, so that MPI is finalized with nothing pending."""
         self.stop.set()
         if self.thread.ident is not None:
             self.thread.join()
         left = time.monotonic()
-        raised = getattr(sys, "last_value", None) is not None  # set by an uncaught exception's traceback
+        raised = float(getattr(sys, "last_value", None) is not None)  # set by an uncaught exception's traceback
         status = MPI.Status()
 
-        def serve(answer: bool) -> None:
-            while (message := self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
-                source, tag = self.take(message, status)
-                if answer and tag == _SUBSCRIBE:
-                    self.send(source, _LEFT, time.monotonic() - left, raised)
+        def serve() -> None:
+            while (message := self.comm.Improbe(MPI.ANY_SOURCE, _SUBSCRIBE, status)) is not None:
+                message.Recv([np.empty(2), MPI.DOUBLE])
+                answer = np.array([time.monotonic() - left, raised])
+                self.answers.append((self.comm.Isend([answer, MPI.DOUBLE], status.Get_source(), _LEFT), answer))
+            self.read_notices()
 
+        requests = [request for request, _ in self.requests]
+        _until(serve, lambda: MPI.Request.Testall(requests))  # each received: none can arrive after the barrier
         everyone = self.comm.Ibarrier()
-        _until(lambda: serve(True), everyone.Test)
-        expected = np.zeros(1, np.int64)  # how many messages the others sent to this rank, over the whole job
-        counted = self.comm.Ireduce_scatter_block([self.sent, MPI.INT64_T], [expected, MPI.INT64_T], MPI.SUM)
-        _until(lambda: serve(False), counted.Test)
-        _until(lambda: serve(False), lambda: self.received >= expected[0])
-        requests = [request for request, _ in self.sends]
-        _until(lambda: None, lambda: MPI.Request.Testall(requests))
-        self.sends.clear()
+        _until(serve, everyone.Test)
+        _until(self.read_notices, lambda: self.subscribed.issubset(self.left))  # one answer to each request
+        answers = [request for request, _ in self.answers]
+        _until(lambda: None, lambda: MPI.Request.Testall(answers))
 
 
 def _until(step: Callable[[], None], done: Callable[[], bool]) -> None:
