@@ -56,7 +56,18 @@ from mpi4py import MPI
 from . import signals
 from .abort import abort_job
 
-__all__ = ["EXIT_CODE", "GRACE", "STALL", "THREAD_EXIT_CODE", "THREAD_GRACE", "install"]
+__all__ = [
+    "EVERY",
+    "EXIT_CODE",
+    "GRACE",
+    "SOME",
+    "STALL",
+    "THREAD_EXIT_CODE",
+    "THREAD_GRACE",
+    "blocked",
+    "install",
+    "needs",
+]
 
 EXIT_CODE = 4  # the job's exit status when a wait depends on a rank that has left
 THREAD_EXIT_CODE = 5  # the job's exit status when a rank exits while another of its threads is blocked in a wait
@@ -67,10 +78,10 @@ POLL = 0.2  # seconds between two looks at the waits
 _MAX_PAUSE = 1e-3  # the longest sleep between two tests at exit
 
 _SUBSCRIBE, _LEFT = 1, 2  # the tags on the private communicator: "tell me when you leave", "I have left"
-_SOME, _EVERY = 0, 1  # a wait is blocked when some rank of its set has left, or every rank of it
+SOME, EVERY = 0, 1  # a wait is blocked when some rank of its set has left, or every rank of it
 _PENDING = 0  # the handles' state while pending
 
-Needs = tuple[int, frozenset[int]]  # (_SOME or _EVERY, global ranks)
+Needs = tuple[int, frozenset[int]]  # (SOME or EVERY, global ranks)
 
 
 # --- what a wait needs ---------------------------------------------------------------------------
@@ -103,8 +114,8 @@ def needs(waited: Any, me: int) -> Needs | None:
             ranks = frozenset().union(*(_peers(w._group, w._peer, me) for w in works if w._state == _PENDING))
     else:  # a collective: without a root, every member must call it before any completes
         others = frozenset(waited._group.ranks) - {me}
-        return (_SOME if waited._root is None else _EVERY, others) if others else None
-    return (_EVERY, ranks) if ranks else None
+        return (SOME if waited._root is None else EVERY, others) if others else None
+    return (EVERY, ranks) if ranks else None
 
 
 def blocked(need: Needs | None, left: set[int]) -> frozenset[int]:
@@ -113,7 +124,7 @@ def blocked(need: Needs | None, left: set[int]) -> frozenset[int]:
         return frozenset()
     kind, ranks = need
     gone = ranks.intersection(left)
-    return gone if (kind == _SOME or gone == ranks) else frozenset()
+    return gone if (kind == SOME or gone == ranks) else frozenset()
 
 
 def _needs(waited: Any, me: int) -> Needs | None:
@@ -172,9 +183,9 @@ class _Watch:
         left, one rank at a time: while one of them stays, the wait can still complete)."""
         kind, ranks = need
         staying = sorted(ranks.difference(self.left))
-        if kind == _EVERY and any(rank in self.subscribed for rank in staying):
+        if kind == EVERY and any(rank in self.subscribed for rank in staying):
             return
-        for rank in staying if kind == _SOME else staying[:1]:
+        for rank in staying if kind == SOME else staying[:1]:
             if rank not in self.subscribed:
                 self.subscribed.add(rank)
                 buffer = np.zeros(2)

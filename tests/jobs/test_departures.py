@@ -3,7 +3,6 @@ under a thread still blocked in a wait.  Each job is its own bounded mpiexec (se
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,29 +14,21 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 ENDS_WITHIN = 20.0  # seconds for a whole job whose wait is ended; about 2.5 s here (0.5 s of it the abort's grace)
 HANG = 45.0  # a job still running after this hangs (as every one of these did before their ranks could leave)
-TORCH = importlib.util.find_spec("torch") is not None
 
-# Rank 1 leaves (its program ends) while rank 0 waits for it in each of these ways.
+# Rank 1 leaves (its program ends) while rank 0 waits for it: in the compiled engine's blocking receive (the GIL
+# released), and in a collective's wait with a timeout (Python, sleeping between tests).  tests/test_departures.py
+# checks what every other kind of wait needs; test_departures_frameworks.py the waits of torch and TensorPlay.
 WAITS = {
     "recv": "dist.recv(np.zeros(4), src=1, tag=3)",
-    "irecv-wait": "dist.irecv(np.zeros(4), src=1, tag=3).wait()",
-    "batch": (
-        "dist.batch_isend_irecv([dist.P2POp(dist.irecv, np.zeros(4), 1, tag=3),"
-        " dist.P2POp(dist.isend, np.zeros(1 << 16), 1, tag=4)]).wait()"
-    ),
-    "all_reduce": "dist.all_reduce(np.zeros(4))",
     "all_gather-timeout": "dist.all_gather_into_tensor(np.zeros(8), np.zeros(4), async_op=True).wait(timeout=600)",
 }
 EXPECTED = {
     "recv": "irecv from rank 1 (group rank 1), tag 3, 32 bytes, group 'WORLD', pending for",
-    "irecv-wait": "irecv from rank 1 (group rank 1), tag 3, 32 bytes, group 'WORLD', pending for",
-    "batch": "irecv from rank 1 (group rank 1), tag 3, 32 bytes, group 'WORLD', pending for",
-    "all_reduce": "all_reduce (SUM, float64, 32 bytes) on group 'WORLD' of size 2 (global ranks 0, 1), pending for",
     "all_gather-timeout": "all_gather_into_tensor (float64, 32 bytes) on group 'WORLD' of size 2",
 }
 
 
-def _assert_ended(
+def assert_ended(
     status: int | None, seconds: float, output: str, line: str, why: str = "its program ended", within: float = 0
 ) -> None:
     assert status == departures.EXIT_CODE, output
@@ -62,7 +53,7 @@ def test_a_wait_on_a_rank_that_left_ends_the_job(tmp_path: Path, wait: str) -> N
         """,
         limit=HANG,
     )
-    _assert_ended(status, seconds, output, EXPECTED[wait])
+    assert_ended(status, seconds, output, EXPECTED[wait])
 
 
 def test_the_pure_python_engine_and_a_rank_that_raised_outside_the_launcher(tmp_path: Path) -> None:
@@ -81,32 +72,13 @@ def test_the_pure_python_engine_and_a_rank_that_raised_outside_the_launcher(tmp_
         limit=HANG,
     )
     assert "RuntimeError: rank 1 fails" in output
-    _assert_ended(status, seconds, output, EXPECTED["recv"], "an uncaught exception ended its program")
-
-
-@pytest.mark.skipif(not TORCH, reason="torch is not installed")
-def test_a_tp2p_wait_on_a_rank_that_left_ends_the_job(tmp_path: Path) -> None:
-    status, seconds, output = run_job(
-        tmp_path,
-        2,
-        """
-        import sys
-        import torch, torch.distributed as dist
-        dist.init_process_group("tp2p")
-        if dist.get_rank() == 1:
-            sys.exit(0)
-        dist.recv(torch.zeros(4), src=1, tag=3)
-        """,
-        limit=HANG + 30,  # importing torch
-    )
-    line = "irecv from rank 1 (group rank 1), tag 3, 16 bytes, group 'WORLD'"
-    _assert_ended(status, seconds, output, line, within=ENDS_WITHIN + 30)  # importing torch
+    assert_ended(status, seconds, output, EXPECTED["recv"], "an uncaught exception ended its program")
 
 
 def test_a_rank_that_finished_early_stops_nobody(tmp_path: Path) -> None:
-    """Rank 1 leaves at once; ranks 0 and 2 go on, rank 0 waiting for the late rank 2 in waits that also name rank 1:
-    a batch whose op with rank 1 completed before it left, a receive from any source (in a thread of its own) and a
-    gather rank 1 took part in."""
+    """Rank 1 leaves at once; ranks 0 and 2 go on, rank 0 waiting for the late rank 2 in three waits at once that also
+    name rank 1: a batch whose op with rank 1 completed before it left, a receive from any source, and a gather rank 1
+    took part in."""
     status, _, output = run_job(
         tmp_path,
         3,
@@ -123,21 +95,25 @@ def test_a_rank_that_finished_early_stops_nobody(tmp_path: Path) -> None:
             sys.exit(0)
         if rank == 0:
             first, second, anyone = np.zeros(2), np.zeros(2), np.zeros(2)
-            dist.batch_isend_irecv([
+            batch = dist.batch_isend_irecv([
                 dist.P2POp(dist.irecv, first, 1, tag=1),
                 dist.P2POp(dist.irecv, second, 2, tag=3),  # late
-            ]).wait()
-            receiver = threading.Thread(target=dist.recv, args=(anyone,), kwargs={"tag": 2})  # from any source: late
-            receiver.start()
+            ])
+            threads = [
+                threading.Thread(target=batch.wait),
+                threading.Thread(target=dist.recv, args=(anyone,), kwargs={"tag": 2}),  # any source: late
+            ]
+            for thread in threads:
+                thread.start()
             dist.gather(np.zeros(2), gathered, dst=0)  # rank 2 joins late
-            receiver.join()
+            for thread in threads:
+                thread.join()
             assert first.tolist() == [1, 1] and second.tolist() == anyone.tolist() == [2, 2], (first, second, anyone)
             assert [g[0] for g in gathered] == [0, 1, 2], gathered
             print("rank 0 done", flush=True)
         else:
             time.sleep(late)
             dist.send(np.full(2, 2.0), dst=0, tag=3)
-            time.sleep(late)
             dist.send(np.full(2, 2.0), dst=0, tag=2)
             dist.gather(np.full(2, 2.0), gathered, dst=0)
             print("rank 2 done", flush=True)
@@ -149,50 +125,44 @@ def test_a_rank_that_finished_early_stops_nobody(tmp_path: Path) -> None:
     assert "left the job" not in output
 
 
-@pytest.mark.parametrize("api", ["package", "tp2p"])
-def test_a_timeout_is_the_programs_to_handle(tmp_path: Path, api: str) -> None:
-    """Every rank's wait times out (rank 0 waits in a collective rank 1 never calls, rank 1 for a message rank 0 never
-    sends); each catches the error, saves its checkpoint and exits with its own status, before the watchdog (which
-    the same timeout starts) would end the job."""
-    if api == "tp2p" and not TORCH:
-        pytest.skip("torch is not installed")
-    if api == "package":  # the package's own timeout: the waits given it raise, the watchdog waits longer
-        header = "import numpy as np; import tensorplay_p2p as dist"
-        setup = "dist.init_process_group(timeout=1.5)"
-        collective = "dist.all_reduce(np.zeros(4), async_op=True).wait(timeout=1.5)"
-        receive = "dist.irecv(np.zeros(4), src=0, tag=3).wait(timeout=1.5)"
-    else:  # torch's group timeout: every wait of the group raises at it
-        header = "from datetime import timedelta; import torch, torch.distributed as dist"
-        setup = 'dist.init_process_group("tp2p", timeout=timedelta(seconds=1.5))'
-        collective = "dist.all_reduce(torch.zeros(4))"
-        receive = "dist.recv(torch.zeros(4), src=0, tag=3)"
-    status, _, output = run_job(
-        tmp_path,
-        2,
-        f"""
-        import sys, time
-        {header}
-        from tensorplay_p2p import CommunicationTimeout
-        {setup}
-        rank = dist.get_rank()
-        try:
-            if rank == 0:
-                {collective}
-            else:
-                {receive}
-        except RuntimeError as exc:  # torch programs catch RuntimeError
-            assert isinstance(exc, CommunicationTimeout) and isinstance(exc, TimeoutError), repr(exc)
-            time.sleep(0.2)  # saves its state
-            print(f"rank {{rank}}: checkpoint saved after {{type(exc).__name__}}", flush=True)
-            sys.exit(7)
-        print("completed?", flush=True)
-        """,
-        limit=HANG + 30,
-    )
+TIMEOUT_JOB = """
+import sys, time
+{setup}
+from tensorplay_p2p import CommunicationTimeout
+rank = dist.get_rank()
+try:
+    if rank == 0:
+        {collective}
+    else:
+        {receive}
+except RuntimeError as exc:  # torch programs catch RuntimeError
+    assert isinstance(exc, CommunicationTimeout) and isinstance(exc, TimeoutError), repr(exc)
+    time.sleep(0.2)  # saves its state
+    print(f"rank {{rank}}: checkpoint saved after {{type(exc).__name__}}", flush=True)
+    sys.exit(7)
+print("completed?", flush=True)
+"""
+
+
+def assert_handled(status: int | None, output: str) -> None:
+    """Every rank caught its timeout, saved its checkpoint and exited with status 7, before any watchdog report."""
     assert status == 7, output
     for rank in (0, 1):
         assert f"rank {rank}: checkpoint saved after CommunicationTimeout" in output, output
     assert "watchdog" not in output and "aborting" not in output, output
+
+
+def test_a_timeout_is_the_programs_to_handle(tmp_path: Path) -> None:
+    """Every rank's wait times out (rank 0 waits in a collective rank 1 never calls, rank 1 for a message rank 0 never
+    sends) at the timeout of init_process_group; each catches the error, saves its checkpoint and exits with its own
+    status, before the watchdog, which that timeout starts at twice it, would end the job."""
+    code = TIMEOUT_JOB.format(
+        setup="import numpy as np; import tensorplay_p2p as dist; dist.init_process_group(timeout=1.5)",
+        collective="dist.all_reduce(np.zeros(4), async_op=True).wait(timeout=1.5)",
+        receive="dist.irecv(np.zeros(4), src=0, tag=3).wait(timeout=1.5)",
+    )
+    status, _, output = run_job(tmp_path, 2, code, limit=HANG)
+    assert_handled(status, output)
 
 
 def test_an_exit_under_a_thread_blocked_in_a_wait_aborts_with_a_report(tmp_path: Path) -> None:
