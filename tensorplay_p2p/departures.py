@@ -138,8 +138,7 @@ def _needs(waited: Any, me: int) -> Needs | None:
 
 
 class _Watch:
-    """This rank's side of the protocol: its subscriptions, the ranks known to have left, and the counts that let the
-    exit receive every message addressed to it."""
+    """This rank's side of the protocol: the ranks it asked to say when they leave, and those known to have left."""
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
@@ -210,7 +209,7 @@ class _Watch:
             f"tensorplay_p2p: rank {self.rank} on host {socket.gethostname()} waits for {who}, which left the job; "
             f"the wait can never complete; aborting the job:\n  " + "\n  ".join(lines) + "\n"
         )
-        abort_job(report, EXIT_CODE)
+        _end(report, EXIT_CODE)
 
     def leave(self) -> None:
         """At exit: answer "I have left" until every rank has reached its exit, then receive the answers to this rank's
@@ -239,8 +238,8 @@ class _Watch:
 
 
 def _until(step: Callable[[], None], done: Callable[[], bool]) -> None:
-    """Run ``step`` then test ``done`` until it holds, sleeping between tries (from 0.1 ms up to a few ms) so as to
-    leave the core to the ranks still running."""
+    """Run ``step`` then test ``done`` until it holds, sleeping between tries (from 0.1 ms up to 1 ms) so as to leave
+    the core to the ranks still running (MPI's own finalize would spin on it)."""
     pause = 1e-4
     while True:
         step()
@@ -251,6 +250,14 @@ def _until(step: Callable[[], None], done: Callable[[], bool]) -> None:
 
 
 # --- the exit ------------------------------------------------------------------------------------
+
+
+def _end(report: str, code: int) -> None:
+    """``abort_job``; should ``MPI_Abort`` return (seen with MPICH, at exit), the process ends all the same: going on
+    would finalize MPI under a blocked thread, or leave this rank's waits as they were."""
+    with contextlib.suppress(SystemExit):
+        abort_job(report, code)
+    os._exit(code)
 
 
 def _threads_at_exit() -> None:
@@ -266,9 +273,7 @@ def _threads_at_exit() -> None:
                 f"{len(waits)} other thread(s) are blocked in a wait, and MPI cannot be finalized under them; "
                 "aborting the job:\n  " + "\n  ".join(lines) + "\n"
             )
-            with contextlib.suppress(SystemExit):  # an MPI_Abort that returns (seen with MPICH at exit) ...
-                abort_job(report, THREAD_EXIT_CODE)
-            os._exit(THREAD_EXIT_CODE)  # ... must not lead into MPI's finalize under the blocked thread
+            _end(report, THREAD_EXIT_CODE)
         time.sleep(0.01)
 
 

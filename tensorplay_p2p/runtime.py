@@ -142,8 +142,8 @@ def init_process_group(
     state.timeout = limit
     if limit is not None and _env_timeout() is None:  # the environment's limit, when set, is the watchdog's own
         backstop = watchdog.BACKSTOP * limit
-        named = f"{backstop:g} s ({watchdog.BACKSTOP:g} times the {limit:g} s timeout of init_process_group)"
-        watchdog.enable(backstop, named)
+        described = f"{backstop:g} s ({watchdog.BACKSTOP:g} times the {limit:g} s timeout of init_process_group)"
+        watchdog.enable(backstop, described)
     if check is not None:
         state.checked = bool(check)
 
