@@ -88,12 +88,12 @@ Needs = tuple[int, frozenset[int]]  # (SOME or EVERY, global ranks)
 
 
 def _peers(group: Any, peer: int, me: int) -> frozenset[int]:
-    """The global ranks a send or receive with group rank ``peer`` may complete with."""
+    """The other global ranks a send or receive with group rank ``peer`` may complete with."""
     if peer == MPI.ANY_SOURCE:
         return frozenset(group.ranks) - {me}
     if peer < 0:  # PROC_NULL
         return frozenset()
-    return frozenset((group.global_rank(peer),))
+    return frozenset((group.global_rank(peer),)) - {me}
 
 
 def needs(waited: Any, me: int) -> Needs | None:
