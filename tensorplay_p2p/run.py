@@ -6,8 +6,10 @@
 
 Without this, one rank that raises exits while its peers wait forever for its messages, and the
 batch job burns its allocation until the scheduler kills it.  Here the traceback is printed
-(prefixed with the rank) and ``MPI_Abort`` ends every rank with a non-zero status.  A script that
-exits with a non-zero ``SystemExit`` code aborts the job with that code as well.
+(prefixed with the rank), followed by what the rank's other threads are blocked on in the package's waits, if any,
+and ``MPI_Abort`` ends every rank with a non-zero status.  A script that exits with a non-zero ``SystemExit`` code
+aborts the job with that code as well.  A rank whose program ends normally (or with ``sys.exit(0)``) leaves the job:
+a rank that then waits for it ends the job with a report (see ``departures``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
+import time
 import traceback
 
 from .abort import abort_job
@@ -55,9 +59,22 @@ def main(argv: list[str] | None = None) -> None:
         abort_job("", int(code))
     except BaseException:
         rank = _rank()
-        lines = traceback.format_exc().rstrip().splitlines()
+        lines = traceback.format_exc().rstrip().splitlines() + _blocked_threads()
         report = "".join(f"[rank {rank}] {line}\n" for line in lines)
         abort_job(report + f"[rank {rank}] uncaught exception: aborting the MPI job\n", 1)
+
+
+def _blocked_threads() -> list[str]:
+    """What the rank's other threads wait for in the package's waits, in the watchdog's format (none: nothing)."""
+    if "tensorplay_p2p.signals" not in sys.modules:  # the program has not used the package
+        return []
+    from . import signals
+
+    me, now = threading.get_ident(), time.monotonic()
+    waits = [wait for wait in signals.waits() if wait.thread != me]
+    if not waits:
+        return []
+    return [f"{len(waits)} other thread(s) blocked in a wait:", *(f"  {line}" for w in waits for line in w.lines(now))]
 
 
 def _rank() -> int:

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import errors, groups, layouts, signals, watchdog
+from . import departures, errors, groups, layouts, signals, watchdog
 from .groups import GroupMember, ProcessGroup
 
 __all__ = [
@@ -40,6 +40,7 @@ LOCAL_RANK_VARIABLES = (
 )
 ENV_TIMEOUT = "TENSORPLAY_P2P_TIMEOUT"
 ENV_SIGNALS = "TENSORPLAY_P2P_SIGNALS"
+ENV_DEPARTURES = "TENSORPLAY_P2P_DEPARTURES"
 
 
 def env_flag(name: str, default: bool = False) -> bool:
@@ -115,6 +116,7 @@ if (_startup_timeout := _env_timeout()) is not None:
     watchdog.enable(_startup_timeout)
 if env_flag(ENV_SIGNALS, default=True):
     signals.install()  # Ctrl-C and SIGTERM end a rank stuck in a wait (see signals)
+departures.install(env_flag(ENV_DEPARTURES, default=True))  # a wait on a rank that has left ends the job
 
 
 def init_process_group(
@@ -152,8 +154,10 @@ def init_process_group(
     state.initialized = True
     GroupMember.WORLD.backend = named
     state.timeout = limit
-    if limit is not None:
-        watchdog.enable(limit)
+    if limit is not None and _env_timeout() is None:  # the environment's limit, when set, is the watchdog's own
+        backstop = watchdog.BACKSTOP * limit
+        described = f"{backstop:g} s ({watchdog.BACKSTOP:g} times the {limit:g} s timeout of init_process_group)"
+        watchdog.enable(backstop, described)
     if check is not None:
         state.checked = bool(check)
 

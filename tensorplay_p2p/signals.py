@@ -27,14 +27,14 @@ import threading
 import time
 from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
 from . import engine, errors
 from .abort import abort_job
 
-__all__ = ["GRACE", "install", "register_wait"]
+__all__ = ["GRACE", "Wait", "install", "register_wait", "waits"]
 
 GRACE = 0.1  # seconds the main thread gets to run the signal's handler before it is taken as stuck
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -77,18 +77,64 @@ def _wait_position(ident: int | None) -> tuple[Any, int] | None:
     return (frame, frame.f_lasti) if frame is not None and frame.f_code in _waits else None
 
 
+class Wait(NamedTuple):
+    """One of the package's blocking waits in progress, as ``waits`` finds it."""
+
+    thread: int  # the waiting thread's ident
+    key: tuple[Any, ...]  # equal in two looks while it is the same wait
+    waited: Any  # the handle waited on, or a blocking send/recv as (receive, group, group peer, tag, nbytes, posted)
+    lines: Callable[[float], list[str]]  # now → one line per operation still pending
+
+
+_DEPTH = 4  # package frames looked through, from the innermost, for a wait (one with a timeout sleeps in ``poll``)
+_PACKAGE = __name__.rpartition(".")[0] + "."
+
+
+def _describe_blocking(waited: tuple[Any, ...]) -> Callable[[float], list[str]]:
+    receive, group, peer, tag, nbytes, posted = waited
+    return lambda now: [errors.describe_op(receive, group, peer, tag, nbytes, now - posted)]
+
+
+def _frame_wait(ident: int, frame: FrameType) -> Wait | None:
+    """The innermost of the package's waits on ``frame``'s stack, looking through the package's own frames only."""
+    found: FrameType | None = frame
+    for _ in range(_DEPTH):
+        if found is None or found.f_code in _waits:
+            break
+        if not str(found.f_globals.get("__name__", "")).startswith(_PACKAGE):
+            return None
+        found = found.f_back
+    if found is None or found.f_code not in _waits:
+        return None
+    scope = found.f_locals
+    handle = scope.get("self")
+    describe = _waits[found.f_code]
+    key: tuple[Any, ...]
+    if handle is not None:
+        waited, key = handle, (id(found), found.f_code, id(handle), getattr(handle, "posted", None))
+    elif "posted" in scope:  # a blocking send or receive of ``ops``: its locals name the op once it is in MPI
+        waited = tuple(scope[name] for name in ("receive", "pg", "peer", "tag", "nbytes", "posted"))
+        key = (id(found), found.f_code, scope["posted"])
+    else:
+        return None
+    return Wait(ident, key, waited, lambda now: describe(scope, now))
+
+
+def waits() -> list[Wait]:
+    """The package's blocking waits in progress, in every thread (the compiled engine's and Python's)."""
+    found = []
+    compiled = _compiled_waits()
+    for ident, (serial, waited) in compiled.items():
+        lines = _describe_blocking(waited) if type(waited) is tuple else waited.pending_lines
+        found.append(Wait(ident, ("compiled", serial), waited, lines))
+    for ident, frame in sys._current_frames().items():
+        if ident not in compiled and (wait := _frame_wait(ident, frame)) is not None:
+            found.append(wait)
+    return found
+
+
 def _pending_lines(now: float) -> list[str]:
-    lines = []
-    for frame in sys._current_frames().values():
-        if frame.f_code in _waits:
-            lines += _waits[frame.f_code](frame.f_locals, now)
-    for _, waited in _compiled_waits().values():
-        if type(waited) is tuple:  # a blocking send or receive: (receive, group, peer, tag, nbytes, posted)
-            receive, group, peer, tag, nbytes, posted = waited
-            lines.append(errors.describe_op(receive, group, peer, tag, nbytes, now - posted))
-        else:
-            lines += waited.pending_lines(now)
-    return lines
+    return [line for wait in waits() for line in wait.lines(now)]
 
 
 def _on_signal(signum: int) -> None:

@@ -1,10 +1,12 @@
 """The job-wide watchdog: aborts the MPI job when an operation stays pending longer than the timeout.
 
-Off by default.  Switched on by ``init_process_group(timeout=...)`` or ``TENSORPLAY_P2P_TIMEOUT``
-(seconds).  Waits stay on MPI's blocking path; a daemon thread looks at what is pending a few
-times per timeout, and when something has waited too long it prints the rank, the host and the
-pending operations on stderr and calls ``MPI_Abort``, so a hung batch job ends at once instead
-of when the scheduler kills it.
+Off by default.  Switched on by ``TENSORPLAY_P2P_TIMEOUT`` (seconds: the watchdog's limit) or, where that is not
+set, by ``init_process_group(timeout=...)``, whose limit is then ``BACKSTOP`` times the timeout: the waits given
+that timeout (a ``tp2p`` group's, ``wait(timeout=...)``) raise ``CommunicationTimeout`` at it, and the program has
+as long again to handle the error (save a checkpoint, exit) before the watchdog ends the job.  Waits stay on MPI's
+blocking path; a daemon thread looks at what is pending a few times per limit, and when something has waited too
+long it prints the rank, the host and the pending operations on stderr and calls ``MPI_Abort``, so a hung batch job
+ends at once instead of when the scheduler kills it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from mpi4py import MPI
 
 from .abort import abort_job
 
-__all__ = ["EXIT_CODE", "active", "disable", "enable", "running", "track", "untrack"]
+__all__ = ["BACKSTOP", "EXIT_CODE", "active", "disable", "enable", "running", "track", "untrack"]
 
 EXIT_CODE = 3  # the job's exit status when the watchdog aborts it
+BACKSTOP = 2.0  # the watchdog's limit, in times the timeout of init_process_group (TENSORPLAY_P2P_TIMEOUT unset)
 
 
 class Watched(Protocol):
@@ -36,6 +39,7 @@ class Watched(Protocol):
 class _Watchdog:
     def __init__(self) -> None:
         self.timeout: float | None = None
+        self.limit = ""  # the limit as the report names it
         self.pending: dict[int, Watched] = {}
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
@@ -51,14 +55,14 @@ class _Watchdog:
             now = time.monotonic()
             late = [w for w in list(self.pending.values()) if now - w.posted > timeout]
             if late:
-                self.abort(late, timeout, now)
+                self.abort(late, now)
 
-    def abort(self, late: list[Watched], timeout: float, now: float) -> None:
+    def abort(self, late: list[Watched], now: float) -> None:
         lines = [line for w in late for line in w.pending_lines(now)]
         rank = MPI.COMM_WORLD.Get_rank()
         report = (
             f"tensorplay_p2p watchdog: rank {rank} on host {socket.gethostname()}: {len(lines)} operation(s) "
-            f"pending longer than the {timeout:g} s timeout; aborting the job:\n  " + "\n  ".join(lines) + "\n"
+            f"pending longer than {self.limit}; aborting the job:\n  " + "\n  ".join(lines) + "\n"
         )
         abort_job(report, EXIT_CODE)
 
@@ -67,10 +71,12 @@ _dog = _Watchdog()
 active = False  # read on every post: the watchdog costs one flag test when it is off
 
 
-def enable(timeout: float) -> None:
-    """Abort the job when an operation stays pending longer than ``timeout`` seconds."""
+def enable(timeout: float, limit: str = "") -> None:
+    """Abort the job when an operation stays pending longer than ``timeout`` seconds (``limit``: how the report
+    names that limit, by default "the ``timeout`` s timeout")."""
     global active
     _dog.timeout = timeout
+    _dog.limit = limit or f"the {timeout:g} s timeout"
     active = True
     if _dog.thread is None:
         _dog.thread = threading.Thread(target=_dog.run, name="tensorplay_p2p-watchdog", daemon=True)

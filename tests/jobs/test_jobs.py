@@ -51,8 +51,17 @@ def bounded(command: list[str], cwd: Path, env: dict[str, str], limit: float) ->
     return job.returncode, output, time.monotonic() - start
 
 
-def run_job(tmp_path: Path, ranks: int, code: str, *, launcher: bool = True, env: dict[str, str] | None = None):
-    """Run ``code`` as a script on ``ranks`` ranks; returns (exit status, seconds, stderr)."""
+def run_job(
+    tmp_path: Path,
+    ranks: int,
+    code: str,
+    *,
+    launcher: bool = True,
+    env: dict[str, str] | None = None,
+    limit: float = LIMIT,
+):
+    """Run ``code`` as a script on ``ranks`` ranks; returns (exit status, seconds, stderr); a job still running after
+    ``limit`` seconds is killed with its ranks and ``subprocess.TimeoutExpired`` raised."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(code))
     command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
@@ -68,7 +77,7 @@ def run_job(tmp_path: Path, ranks: int, code: str, *, launcher: bool = True, env
         start_new_session=True,  # its own process group, so that a hung job's ranks can be ended with it
     )
     try:
-        stdout, stderr = job.communicate(timeout=LIMIT)
+        stdout, stderr = job.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         job.communicate()
@@ -116,7 +125,7 @@ def test_the_watchdog_reports_the_hang_and_aborts(tmp_path: Path) -> None:
         """
         import numpy as np
         import tensorplay_p2p as dist
-        dist.init_process_group(timeout=1.5)
+        dist.init_process_group(timeout=1)  # the watchdog's limit: twice it
         if dist.get_rank() == 0:
             dist.irecv(np.zeros(4), src=1, tag=42).wait()  # rank 1 never sends
         else:
@@ -126,7 +135,7 @@ def test_the_watchdog_reports_the_hang_and_aborts(tmp_path: Path) -> None:
     assert status != 0
     assert seconds < 30, f"the watchdog took {seconds:.0f} s"
     assert "tensorplay_p2p watchdog: rank 0 on host" in output
-    assert "pending longer than the 1.5 s timeout" in output
+    assert "pending longer than 2 s (2 times the 1 s timeout of init_process_group)" in output
     assert "irecv from rank 1 (group rank 1), tag 42, 32 bytes, group 'WORLD', pending for" in output
 
 
