@@ -9,14 +9,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..errors import CommunicationError
 from ..work import Composite
 
 if TYPE_CHECKING:
     from .backend import ProcessGroupTP2P
 
-__all__ = ["TP2PWork"]
+__all__ = ["TP2PWork", "torch_error"]
 
 _NO_TIMEOUT = timedelta(0)  # what torch passes for "no timeout given"
+_as_torch: dict[type[CommunicationError], type[CommunicationError]] = {}
+
+
+def torch_error(error: CommunicationError) -> CommunicationError:
+    """``error`` made also a ``torch.distributed.DistBackendError``, as torch's own backends raise for a failed or
+    timed-out operation, so that torch code catching that catches it; it stays what it was (its class and its
+    fields), under a subclass of both."""
+    cls = type(error)
+    both = _as_torch.get(cls)
+    if both is None:
+        both = _as_torch[cls] = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__})
+    error.__class__ = both
+    return error
 
 
 class TP2PWork(Composite, dist.Work):
@@ -33,8 +47,11 @@ class TP2PWork(Composite, dist.Work):
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
         """Complete the call (within ``timeout``, else the group's, else none); raise its error. Returns True."""
         limit = self._group.timeout if timeout == _NO_TIMEOUT else timeout.total_seconds()
-        for handle in self.handles:
-            handle.wait(limit)
+        try:
+            for handle in self.handles:
+                handle.wait(limit)
+        except CommunicationError as error:
+            raise torch_error(error)  # noqa: B904 (the same exception, raised on)
         return True
 
     def synchronize(self) -> None:

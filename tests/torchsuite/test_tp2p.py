@@ -340,8 +340,11 @@ def test_timeout_names_what_is_pending() -> None:
     into = torch.zeros(1)
     if RANK == 0:
         work = dist.irecv(into, 1, tag=31)
-        with pytest.raises(tensorplay_p2p.CommunicationTimeout, match=r"(?s)irecv.*rank 1.*tag 31"):
+        with pytest.raises(tensorplay_p2p.CommunicationTimeout, match=r"(?s)irecv.*rank 1.*tag 31") as raised:
             work.wait(timedelta(seconds=0.2))
+        # what torch's own backends raise, so that torch code catching it catches this one too
+        assert isinstance(raised.value, dist.DistBackendError) and isinstance(raised.value, TimeoutError)
+        assert type(raised.value).__name__ == "CommunicationTimeout" and len(raised.value.pending) == 1
     dist.barrier()
     if RANK == 1:
         dist.send(torch.full((1,), 5.0), 0, tag=31)
