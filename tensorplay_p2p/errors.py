@@ -11,16 +11,24 @@ from typing import Any, Protocol
 from mpi4py import MPI
 
 __all__ = [
+    "CollectiveMismatchError",
     "CommunicationError",
     "CommunicationTimeout",
     "MessageMismatchError",
     "MessageSizeError",
     "batch_failures",
+    "collective_failure",
+    "collective_mismatch",
+    "collective_pair",
+    "collective_refused",
+    "deferred_line",
     "describe_message",
     "describe_op",
     "exchange_size_error",
     "failure",
+    "freed_storage",
     "hook_error",
+    "out_of_step",
     "posting_error",
     "size_error",
     "timeout_error",
@@ -68,6 +76,16 @@ class MessageSizeError(CommunicationError):
 
 class MessageMismatchError(CommunicationError):
     """Checked mode: the message's dtype or shape differs from the receiving tensor's."""
+
+
+class CollectiveMismatchError(MessageMismatchError):
+    """Checked mode: the members' calls of one collective disagree (collective, root, reduce op, dtype, sizes), or a
+    member refused its call; no member posted it."""
+
+    def __init__(self, message: str, *, op: str, field: str, values: dict[int, str]) -> None:
+        super().__init__(message, op=op)
+        self.field = field
+        self.values = values
 
 
 class CommunicationTimeout(CommunicationError, TimeoutError):  # noqa: N818 (torch-style name)
@@ -201,4 +219,105 @@ def timeout_error(prefix: str, timeout: float, lines: tuple[str, ...]) -> Commun
         f"{prefix}timed out after {timeout:g} s with {len(lines)} op(s) pending on global rank "
         f"{MPI.COMM_WORLD.Get_rank()}:\n  " + "\n  ".join(lines),
         pending=lines,
+    )
+
+
+# --- collectives whose members disagree or fell out of step ---------------------------------------
+
+_MISMATCH = {  # what differs: how the message names it, and the verb before each member's value
+    "collective": ("the members call different collectives", "calls"),
+    "root": ("the members name different roots", "names the root"),
+    "reduce": ("the members pass different reduce ops", "passes"),
+    "dtype": ("the members' tensors have different dtypes", "passes"),
+    "count": ("the members' tensors hold different numbers of elements", "passes"),
+    "sizes": ("the members' tensors hold different numbers of elements", "passes tensors of"),
+    "rows": ("the members' rows have different shapes", "passes rows of shape"),
+}
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"global rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def _plural(verb: str, many: bool) -> str:
+    if not many:
+        return verb
+    first, _, rest = verb.partition(" ")
+    first = {"passes": "pass", "names": "name", "calls": "call"}.get(first, first)
+    return f"{first} {rest}".strip()
+
+
+def collective_mismatch(what: str, group: str, field: str, values: dict[int, str]) -> CollectiveMismatchError:
+    """Checked mode: the members' calls of ``what`` on ``group`` (its description) differ in ``field``; ``values``
+    holds each member's, by global rank."""
+    label, verb = _MISMATCH[field]
+    by_value: dict[str, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        by_value.setdefault(value, []).append(rank)
+    sides = "; ".join(f"{_ranks(r)} {_plural(verb, len(r) > 1)} {v}" for v, r in by_value.items())
+    return CollectiveMismatchError(
+        f"{what} on {group}: {label} (checked mode): {sides}; no member posted it", op=what, field=field, values=values
+    )
+
+
+def collective_refused(what: str, group: str, notes: dict[int, str]) -> CollectiveMismatchError:
+    """Checked mode: the members ``notes`` names (global rank: their call and its error) refused their call."""
+    sides = "; ".join(f"{_ranks([rank])}: {note}" for rank, note in sorted(notes.items()))
+    few = len(notes) == 1
+    return CollectiveMismatchError(
+        f"{what} on {group}: {'a member' if few else 'members'} refused {'its' if few else 'their'} call (checked "
+        f"mode): {sides}; no member posted it",
+        op=what,
+        field="refused",
+        values=notes,
+    )
+
+
+def collective_pair(
+    what: str, group: str, unit: str, sender: int, receiver: int, sends: int, expects: int
+) -> CollectiveMismatchError:
+    """Checked mode: global rank ``sender`` sends ``sends`` ``unit`` to ``receiver``, which expects ``expects``."""
+    return CollectiveMismatchError(
+        f"{what} on {group}: the members' split sizes disagree (checked mode): global rank {sender} sends {sends} "
+        f"{unit} to global rank {receiver}, which expects {expects} {unit} from it; no member posted it",
+        op=what,
+        field="splits",
+        values={sender: f"sends {sends} {unit} to global rank {receiver}", receiver: f"expects {expects} {unit}"},
+    )
+
+
+def out_of_step(what: str, group: str, refusals: dict[int, str]) -> CommunicationError:
+    """The members that reconciled after refused collectives did not refuse the same ones (``refusals``: global rank:
+    the calls it refused): the group's collectives can no longer be matched."""
+    sides = "; ".join(f"{_ranks([rank])} refused {text}" for rank, text in sorted(refusals.items()))
+    return CommunicationError(
+        f"{what} on {group}: the members are out of step: they refused different collectives ({sides}), so the "
+        "collectives some of them posted can never be matched; no collective of this group is posted any more on "
+        "this rank: make a new group with new_group() on every member, or end the job",
+        op=what,
+    )
+
+
+def deferred_line(description: str, reason: str) -> str:
+    """The pending line of a collective that is not posted yet, and why (for timeouts, the watchdog, signals)."""
+    return f"{description}; not posted yet: {reason}"
+
+
+def collective_failure(description: str, what: str, code: int, mpi_error: str) -> CommunicationError:
+    """A collective that MPI completed with error ``code`` (its class decoded from the status where MPI put it)."""
+    hint = ""
+    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+        hint = " (the members' tensors differ in size)"
+    elif MPI.Get_error_class(code) == MPI.ERR_OTHER:  # MPICH's word for a truncated collective
+        hint = " (MPI names no cause: the members' tensors may differ in size, which checked mode names)"
+    return CommunicationError(f"{description} failed{hint}", op=what, mpi_error=mpi_error)
+
+
+def freed_storage(name: str, posted: tuple[int, int], now: tuple[int, int]) -> str:
+    """Checked mode: a torch output's storage was freed or moved while the collective was pending."""
+    return (
+        f"the storage of {name} was freed or moved while the collective was pending (it was "
+        f"{posted[1]} bytes at {posted[0]:#x}, it is {now[1]} bytes at {now[0]:#x}); its result was not written "
+        "into it. Keep a collective's tensors (and their storage) alive and unchanged until wait() returns"
     )
