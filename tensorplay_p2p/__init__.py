@@ -28,7 +28,13 @@ from .collectives import (
     scatter,
 )
 from .devices import CudaSupport, cuda_support
-from .errors import CommunicationError, CommunicationTimeout, MessageMismatchError, MessageSizeError
+from .errors import (
+    CollectiveMismatchError,
+    CommunicationError,
+    CommunicationTimeout,
+    MessageMismatchError,
+    MessageSizeError,
+)
 from .groups import (
     GroupMember,
     ProcessGroup,
@@ -60,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchWork",
     "CartGroup",
+    "CollectiveMismatchError",
     "CollectiveWork",
     "CommunicationError",
     "CommunicationTimeout",

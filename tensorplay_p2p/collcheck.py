@@ -81,7 +81,7 @@ _RECORD = np.dtype(
         ("expects", "<i8"),  # and what it expects from it
         ("sent", "<u8"),  # all-to-alls: a weighted sum of what it sends to each member
         ("expected", "<u8"),  # and of what it expects from each
-        ("note", "S160"),  # a refused call: its error
+        ("note", "S240"),  # a refused call: its error
     ]
 )
 _PAIR = np.dtype([("found", "u1"), ("sender", "<i4"), ("receiver", "<i4"), ("sends", "<i8"), ("expects", "<i8")])
@@ -101,7 +101,7 @@ class Call(NamedTuple):
     sizes: str = ""
     sends: Sequence[int] = ()  # all-to-alls: per group rank
     expects: Sequence[int] = ()
-    unit: str = "elements"
+    unit: str = "element"
 
 
 class Handle(Protocol):
@@ -219,7 +219,7 @@ def _records(pg: ProcessGroup, call: Call | None, what: str, note: str) -> np.nd
     if call is None:
         out["refused"] = 1
         out["op"] = _clip(what, 24)
-        out["note"] = _clip(note, 160)
+        out["note"] = _clip(note, 240)
         return out
     out["op"] = _clip(call.op, 24)
     out["root"] = call.root
@@ -246,6 +246,8 @@ def _show(field: str, record: np.void, pg: ProcessGroup) -> str:
         return f"{count} element{'s' if count != 1 else ''}"
     if field == "sizes":
         return f"{_text(record['sizes'])} elements"
+    if field == "rows":
+        return _text(record["sizes"])
     return _text(record[{"collective": "op"}.get(field, field)]) or "none"
 
 
@@ -266,9 +268,8 @@ def _compare(pg: ProcessGroup, what: str, got: np.ndarray) -> CommunicationError
     for field, column in checks:
         values = got[column]
         if (values != values[0]).any():
-            shown = "sizes" if field == "rows" else field
             return errors.collective_mismatch(
-                what, group, field, {ranks[j]: _show(shown, got[j], pg) for j in range(len(got))}
+                what, group, field, {ranks[j]: _show(field, got[j], pg) for j in range(len(got))}
             )
     if op in _PER_PAIR:
         sent = sum(int(s) for s in got["sent"]) & _MASK
@@ -283,7 +284,8 @@ def _compare(pg: ProcessGroup, what: str, got: np.ndarray) -> CommunicationError
 class _Gate:
     """Messages that must complete, then a verdict on them."""
 
-    requests: list[MPI.Request]
+    requests: list[MPI.Request]  # the receives first, then the sends
+    receives: int = 0
 
     def judge(self) -> CommunicationError | bool | None:
         """The verdict once the requests completed: an error, None (passed), or True (more requests were posted)."""
@@ -303,6 +305,7 @@ class _Records(_Gate):
         self.got = np.zeros(pg.size(), _RECORD)
         self.got[pg.rank()] = self.outgoing[pg.rank()]
         self.requests = _exchange(pg, _RECORDS, self.outgoing, self.got)
+        self.receives = pg.size() - 1
         self.pairs: np.ndarray | None = None
 
     def judge(self) -> CommunicationError | bool | None:
@@ -364,6 +367,7 @@ class _Reconcile(_Gate):
         self.got = np.zeros(pg.size(), _REFUSALS)
         self.got[pg.rank()] = mine
         self.requests = _exchange(pg, _RECONCILE, mine, self.got)
+        self.receives = pg.size() - 1
 
     def judge(self) -> CommunicationError | bool | None:
         got = self.got
@@ -422,9 +426,14 @@ class Entry:
             self.drop_gates()
         return True
 
-    def drop_gates(self) -> None:
-        """Forget the gates; messages still in flight are parked with their buffers until they complete."""
+    def drop_gates(self, withdraw: bool = False) -> None:
+        """Forget the gates; messages still in flight are parked with their buffers until they complete (with
+        ``withdraw``, receives still pending are cancelled first: no member will send them)."""
         for gate in self.gates:
+            if withdraw:
+                for request in gate.requests[: gate.receives]:
+                    if request and not request.Test():
+                        request.Cancel()
             if gate.requests:
                 _parked.append((gate.requests, gate))
         self.gates.clear()
@@ -502,6 +511,12 @@ def advance(pg: ProcessGroup, until: Handle | None = None, block: bool = False) 
     try:
         _reap_parked()
         queue = steps.queue
+        if pg.communicator is None:  # destroyed: nothing queued will ever be posted
+            while queue:
+                entry = queue.popleft()
+                entry.drop_gates(withdraw=True)
+                entry.handle.fail_deferred(errors.destroyed_unposted(entry.what, pg.name))
+            steps.refused = []
         while queue:
             entry = queue[0]
             if not entry.passed(pg, block):

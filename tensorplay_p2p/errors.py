@@ -24,6 +24,7 @@ __all__ = [
     "deferred_line",
     "describe_message",
     "describe_op",
+    "destroyed_unposted",
     "exchange_size_error",
     "failure",
     "freed_storage",
@@ -277,13 +278,18 @@ def collective_refused(what: str, group: str, notes: dict[int, str]) -> Collecti
 def collective_pair(
     what: str, group: str, unit: str, sender: int, receiver: int, sends: int, expects: int
 ) -> CollectiveMismatchError:
-    """Checked mode: global rank ``sender`` sends ``sends`` ``unit`` to ``receiver``, which expects ``expects``."""
+    """Checked mode: global rank ``sender`` sends ``sends`` of ``unit`` ("element", "row") to ``receiver``, which
+    expects ``expects``."""
+    sent, expected = (f"{n} {unit}{'s' if n != 1 else ''}" for n in (sends, expects))
     return CollectiveMismatchError(
-        f"{what} on {group}: the members' split sizes disagree (checked mode): global rank {sender} sends {sends} "
-        f"{unit} to global rank {receiver}, which expects {expects} {unit} from it; no member posted it",
+        f"{what} on {group}: the members' split sizes disagree (checked mode): global rank {sender} sends {sent} "
+        f"to global rank {receiver}, which expects {expected} from it; no member posted it",
         op=what,
         field="splits",
-        values={sender: f"sends {sends} {unit} to global rank {receiver}", receiver: f"expects {expects} {unit}"},
+        values={
+            sender: f"sends {sent} to global rank {receiver}",
+            receiver: f"expects {expected} from global rank {sender}",
+        },
     )
 
 
@@ -296,6 +302,13 @@ def out_of_step(what: str, group: str, refusals: dict[int, str]) -> Communicatio
         "collectives some of them posted can never be matched; no collective of this group is posted any more on "
         "this rank: make a new group with new_group() on every member, or end the job",
         op=what,
+    )
+
+
+def destroyed_unposted(what: str, group: str) -> CommunicationError:
+    """A collective queued until its group's members agreed, whose group was destroyed first."""
+    return CommunicationError(
+        f"{what}: not posted: process group {group!r} was destroyed before its members agreed to post it", op=what
     )
 
 

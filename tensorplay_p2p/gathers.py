@@ -452,7 +452,7 @@ def all_to_all_single(
     call = None
     if state.checked:
         shape = f"{tuple(out.memory.shape[1:])}"
-        call = Call(what, dtype=dtype, sizes=shape, sends=sends, expects=receives, unit="rows")
+        call = Call(what, dtype=dtype, sizes=shape, sends=sends, expects=receives, unit="row")
 
     send_counts = [n * row for n in sends]
     receive_counts = [n * row for n in receives]
