@@ -66,7 +66,8 @@ _yield = os.sched_yield
 _MASK = (1 << 64) - 1
 
 # One member's record of its call, as sent to one other member: fixed size, so that members calling different
-# collectives still exchange records that match.
+# collectives still exchange records that match.  Its head is the same in every record of one member (and must be
+# the same from every member); the fields after it are the member's for that receiver.
 _RECORD = np.dtype(
     [
         ("refused", "u1"),
@@ -77,13 +78,14 @@ _RECORD = np.dtype(
         ("count", "<i8"),  # elements each member must pass alike, -1 where that does not apply
         ("sizes", "S48"),  # the coalesced tensors' element counts, or all_to_all_single's row shape (shown)
         ("digest", "<u4"),  # crc32 of the whole of ``sizes`` (compared)
+        ("note", "S240"),  # a refused call: its error
         ("sends", "<i8"),  # all-to-alls: what this member sends to the receiving one
         ("expects", "<i8"),  # and what it expects from it
         ("sent", "<u8"),  # all-to-alls: a weighted sum of what it sends to each member
         ("expected", "<u8"),  # and of what it expects from each
-        ("note", "S240"),  # a refused call: its error
     ]
 )
+_HEAD = int(dict(_RECORD.fields or {})["sends"][1])  # bytes of the head
 _PAIR = np.dtype([("found", "u1"), ("sender", "<i4"), ("receiver", "<i4"), ("sends", "<i8"), ("expects", "<i8")])
 _LISTED = 8  # refused calls a reconciliation names one by one
 _REFUSALS = np.dtype([("count", "<i8"), ("digest", "<u4"), ("number", "<i8", (_LISTED,)), ("op", "S24", (_LISTED,))])
@@ -215,25 +217,34 @@ def _weight(i: int, j: int) -> int:
 
 def _records(pg: ProcessGroup, call: Call | None, what: str, note: str) -> np.ndarray:
     """This member's record for each member (a refused call when ``call`` is None)."""
-    out = np.zeros(pg.size(), _RECORD)
     if call is None:
-        out["refused"] = 1
-        out["op"] = _clip(what, 24)
-        out["note"] = _clip(note, 240)
-        return out
-    out["op"] = _clip(call.op, 24)
-    out["root"] = call.root
-    out["reduce"] = _clip(call.reduce, 12)
-    out["dtype"] = _clip(call.dtype, 32)
-    out["count"] = call.elements
-    out["sizes"] = _clip(call.sizes, 48)
-    out["digest"] = zlib.crc32(call.sizes.encode())
+        head = (1, _clip(what, 24), -1, b"", b"", -1, b"", 0, _clip(note, 240), 0, 0, 0, 0)
+        return np.array([head] * pg.size(), _RECORD)
+    sent = expected = 0
     if call.sends:
         me = pg.rank()
+        sent = sum(_weight(me, j) * n for j, n in enumerate(call.sends)) & _MASK
+        expected = sum(_weight(j, me) * n for j, n in enumerate(call.expects)) & _MASK
+    sizes = call.sizes.encode()
+    head = (
+        0,
+        _clip(call.op, 24),
+        call.root,
+        _clip(call.reduce, 12),
+        _clip(call.dtype, 32),
+        call.elements,
+        sizes[:48],
+        zlib.crc32(sizes),
+        b"",
+        0,
+        0,
+        sent,
+        expected,
+    )
+    out = np.array([head] * pg.size(), _RECORD)
+    if call.sends:
         out["sends"] = call.sends
         out["expects"] = call.expects
-        out["sent"] = sum(_weight(me, j) * n for j, n in enumerate(call.sends)) & _MASK
-        out["expected"] = sum(_weight(j, me) * n for j, n in enumerate(call.expects)) & _MASK
     return out
 
 
@@ -252,14 +263,18 @@ def _show(field: str, record: np.void, pg: ProcessGroup) -> str:
 
 
 def _compare(pg: ProcessGroup, what: str, got: np.ndarray) -> CommunicationError | bool | None:
-    """The verdict on the records ``got`` (member j's in ``got[j]``): an error, None when they agree, or True when
-    only a round of the pairs can tell (an all-to-all whose sums say some pair disagrees)."""
+    """The verdict on the records ``got`` (member j's in ``got[j]``; this member's call is ``what``): an error,
+    None when they agree, or True when only a round of the pairs can tell (an all-to-all whose sums say some pair
+    disagrees)."""
+    heads = got.view(np.uint8).reshape(len(got), _RECORD.itemsize)[:, :_HEAD]
+    if not heads[0, 0] and (heads == heads[0]).all():  # the common case: every head alike, none refused
+        return _pairs(got) if what in _PER_PAIR else None
+    op = _text(got["op"][0])
     ranks, group = pg.global_of, pg.describe()
     refusing = np.flatnonzero(got["refused"])
     if refusing.size:
         return errors.collective_refused(what, group, {ranks[j]: _text(got["note"][j]) for j in refusing})
     checks = [("collective", "op"), ("root", "root"), ("reduce", "reduce"), ("dtype", "dtype")]
-    op = _text(got["op"][0])
     if op == "all_to_all_single":
         checks.append(("rows", "digest"))
     elif op.endswith("_coalesced"):
@@ -271,11 +286,14 @@ def _compare(pg: ProcessGroup, what: str, got: np.ndarray) -> CommunicationError
             return errors.collective_mismatch(
                 what, group, field, {ranks[j]: _show(field, got[j], pg) for j in range(len(got))}
             )
-    if op in _PER_PAIR:
-        sent = sum(int(s) for s in got["sent"]) & _MASK
-        expected = sum(int(e) for e in got["expected"]) & _MASK
-        return True if sent != expected else None
-    return None
+    return _pairs(got) if op in _PER_PAIR else None
+
+
+def _pairs(got: np.ndarray) -> bool | None:
+    """All-to-alls: True when the weighted sums say that some member sends another what it does not expect."""
+    sent = sum(int(s) for s in got["sent"]) & _MASK
+    expected = sum(int(e) for e in got["expected"]) & _MASK
+    return True if sent != expected else None
 
 
 # --- gates: what must pass before a deferred collective is posted -----------------------------------------

@@ -358,6 +358,7 @@ def test_a_collective_refused_on_one_member_never_matches_the_next(unchecked: No
     w = dist.all_reduce(ones, group=g, async_op=True)
     assert w is not None
     waited = outcome(lambda: (gathered if gathered is not None else w).wait(timeout=0.3))
+    MPI.COMM_WORLD.Barrier()  # every rank has timed out before rank 1 makes the others' calls whole
     if RANK == 1:  # the refused call, made whole by hand, and the all_reduce the others posted
         g.comm.Iallgather([mine, MPI.FLOAT], [np.zeros(SIZE * 2, np.float32), MPI.FLOAT]).Wait()
         g.comm.Iallreduce(MPI.IN_PLACE, [np.ones(3, np.float32), MPI.FLOAT], MPI.SUM).Wait()
