@@ -123,8 +123,9 @@ class CollectiveWork:
         try:
             post(comm, self._requests)
         except MPI.Exception as exc:
+            hint = errors.collective_hint(exc.Get_error_code())
             error = CommunicationError(
-                f"{self.describe()}: posting it failed", op=self._name, mpi_error=exc.Get_error_string().strip()
+                f"{self.describe()}: posting it failed{hint}", op=self._name, mpi_error=exc.Get_error_string().strip()
             )
             self._not_posted(error)
             collcheck.mark_refused(self._group, self._name, number)  # the other members may have posted theirs

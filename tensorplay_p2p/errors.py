@@ -18,6 +18,7 @@ __all__ = [
     "MessageSizeError",
     "batch_failures",
     "collective_failure",
+    "collective_hint",
     "collective_mismatch",
     "collective_pair",
     "collective_refused",
@@ -317,14 +318,18 @@ def deferred_line(description: str, reason: str) -> str:
     return f"{description}; not posted yet: {reason}"
 
 
+def collective_hint(code: int) -> str:
+    """What a collective's MPI error ``code`` most likely means, for the message."""
+    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+        return " (the members' tensors differ in size, or they call different collectives)"
+    if MPI.Get_error_class(code) == MPI.ERR_OTHER:  # MPICH's word for a truncated nonblocking collective
+        return " (MPI names no cause: the members' tensors may differ in size, which checked mode names)"
+    return ""
+
+
 def collective_failure(description: str, what: str, code: int, mpi_error: str) -> CommunicationError:
     """A collective that MPI completed with error ``code`` (its class decoded from the status where MPI put it)."""
-    hint = ""
-    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
-        hint = " (the members' tensors differ in size)"
-    elif MPI.Get_error_class(code) == MPI.ERR_OTHER:  # MPICH's word for a truncated collective
-        hint = " (MPI names no cause: the members' tensors may differ in size, which checked mode names)"
-    return CommunicationError(f"{description} failed{hint}", op=what, mpi_error=mpi_error)
+    return CommunicationError(f"{description} failed{collective_hint(code)}", op=what, mpi_error=mpi_error)
 
 
 def freed_storage(name: str, posted: tuple[int, int], now: tuple[int, int]) -> str:
