@@ -20,7 +20,9 @@ and goes on):
   the same calls are in step again at once.  If another member did not refuse it, that member's collective is
   posted and waits (its timeout or the watchdog reports it), and the refusing member waits here, never posting a
   collective that would match the other's: wrong numbers are never produced.  Members that refused different
-  calls are out of step for good: every later collective of the group raises.
+  calls are out of step for good: every later collective of the group raises.  A member that never made the
+  refused call cannot be told from one that posted it, so it is waited for too; ``forget`` is for a caller that
+  knows, on every member, that nothing is left posted.
 
 Both defer the collective: its handle (``collwork.CollectiveWork``) is queued on the group, the call returns, and
 the handle is posted once its gates have passed, in the order of the calls.  Whatever tests the group's handles
@@ -44,13 +46,13 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from mpi4py import MPI
 
-from . import errors, signals
+from . import errors, groups, signals
 from .errors import CommunicationError
 from .groups import ProcessGroup
 from .runtime import state, tag_upper_bound
 from .validate import member_group
 
-__all__ = ["Call", "Entry", "advance", "collective_group", "defer", "mark_refused", "refused"]
+__all__ = ["Call", "Entry", "advance", "collective_group", "defer", "forget", "mark_refused", "refused"]
 
 # The records travel on a communicator of their own: a duplicate of the world, made at import, which every rank
 # reaches (a duplicate made at a first use would block the members that got there until the others came).
@@ -577,6 +579,24 @@ def mark_refused(pg: ProcessGroup, what: str, number: int | None = None) -> None
     the other members may have posted theirs."""
     if pg.size() > 1:
         _steps(pg).refused.append((pg.calls if number is None else number, what))
+
+
+def forget(pg: ProcessGroup) -> None:
+    """Forget the calls ``pg``'s members refused and whether they fell out of step, and fail its deferred
+    collectives: for a caller that knows, at the same point on every member, that none of the group's collectives
+    is left posted (a test harness between tests, where a rank stopped early skips calls its peers refused).  The
+    group's records start a new stream (``groups.renew_identity``), so that none sent before can match."""
+    steps = pg.steps
+    if steps is not None:
+        with steps.lock:
+            while steps.queue:
+                entry = steps.queue.popleft()
+                entry.drop_gates(withdraw=True)
+                entry.handle.fail_deferred(errors.forgotten_unposted(entry.what, pg.name))
+            steps.refused = []
+            steps.broken = None
+        _idle(pg)
+    groups.renew_identity(pg)
 
 
 def _flush_at_exit() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "destroyed_unposted",
     "exchange_size_error",
     "failure",
+    "forgotten_unposted",
     "freed_storage",
     "hook_error",
     "out_of_step",
@@ -310,6 +311,15 @@ def destroyed_unposted(what: str, group: str) -> CommunicationError:
     """A collective queued until its group's members agreed, whose group was destroyed first."""
     return CommunicationError(
         f"{what}: not posted: process group {group!r} was destroyed before its members agreed to post it", op=what
+    )
+
+
+def forgotten_unposted(what: str, group: str) -> CommunicationError:
+    """A collective queued until its group's members agreed, whose group's record of refused calls was forgotten."""
+    return CommunicationError(
+        f"{what}: not posted: the refused collectives of process group {group!r} were forgotten before its members "
+        "agreed to post it",
+        op=what,
     )
 
 

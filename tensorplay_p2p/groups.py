@@ -180,6 +180,12 @@ def _identity(ranks: tuple[int, ...]) -> int:
     return zlib.crc32(f"{ranks} {_made[ranks]}".encode())
 
 
+def renew_identity(pg: ProcessGroup) -> None:
+    """Give ``pg`` a new ``identity``, as every member does at the same point (``collcheck.forget``), so that records
+    of its old one still in flight never match the new one's."""
+    pg.identity = zlib.crc32(f"{pg.identity} renewed".encode())
+
+
 class GroupMember:
     """Sentinels as in torch.distributed: ``WORLD`` and ``NON_GROUP_MEMBER``."""
 

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from world import RANK, SIZE, WAIT, exchange_and_check
 
 import tensorplay_p2p as dist
+from tensorplay_p2p import collcheck
 from tensorplay_p2p.reductions import ReduceOp
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -431,3 +432,33 @@ def test_a_truncated_broadcast_names_the_cause(unchecked: None) -> None:
         assert "See the MPI_ERROR field" not in str(error)
     elif RANK == 0:
         assert error is None
+
+
+def test_a_call_refused_on_one_member_and_never_made_on_the_others_holds_it_until_forgotten(unchecked: None) -> None:
+    """Rank 0 refuses a collective the others never make: nothing was posted, but rank 0 cannot tell the others
+    did not post it, so its next collective waits (and theirs with it).  ``collcheck.forget`` on every member, where
+    the program knows nothing is left posted, puts them back in step."""
+    needs_two()
+    g = dist.new_group(list(range(SIZE)), group_desc="skipped")
+    if RANK == 0:
+        assert isinstance(outcome(lambda: dist.all_reduce(np.zeros(1), "sum", group=g)), TypeError)
+    t = np.ones(2)
+    w = dist.all_reduce(t, group=g, async_op=True)
+    assert w is not None
+    waited = outcome(lambda: w.wait(timeout=0.2))
+    MPI.COMM_WORLD.Barrier()  # every rank has timed out
+    collcheck.forget(g)
+    again = np.ones(2)
+    if RANK == 0:  # its held-back all_reduce failed; this one matches the others' posted one
+        forgotten = outcome(lambda: w.wait(timeout=WAIT))
+        dist.all_reduce(again, group=g)
+    else:
+        assert w.wait(timeout=WAIT)
+    dist.destroy_process_group(g)
+    assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
+    if RANK == 0:
+        assert "not posted yet: this rank refused its collective #1 (all_reduce)" in waited.pending[0]
+        assert isinstance(forgotten, dist.CommunicationError) and "were forgotten" in str(forgotten), repr(forgotten)
+        assert again.tolist() == [float(SIZE)] * 2 and t.tolist() == [1.0, 1.0]
+    else:
+        assert t.tolist() == [float(SIZE)] * 2
