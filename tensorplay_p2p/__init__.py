@@ -31,6 +31,7 @@ from .collectives import (
 )
 from .devices import CudaSupport, cuda_support
 from .errors import (
+    CollectiveMismatchError,
     CommunicationError,
     CommunicationTimeout,
     DistBackendError,
@@ -85,6 +86,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchWork",
     "CartGroup",
+    "CollectiveMismatchError",
     "CollectiveWork",
     "CommunicationError",
     "CommunicationTimeout",

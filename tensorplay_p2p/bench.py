@@ -1,6 +1,8 @@
-"""OSU-style point-to-point benchmarks: tensorplay_p2p side by side with raw mpi4py and torch.distributed (gloo).
+"""OSU-style point-to-point and collective benchmarks: tensorplay_p2p side by side with raw mpi4py and
+torch.distributed (gloo).
 
     mpiexec -n 2 python -m tensorplay_p2p.bench [--patterns exchange,bw] [--quick] [--out DIR]
+    mpiexec -n 2 python -m tensorplay_p2p.bench --patterns coll --impls tensorplay,mpi4py  # the collectives
     python -m tensorplay_p2p.bench --profile    # where one batch_isend_irecv's time goes (see costs)
     python -m tensorplay_p2p.bench --merge DIR DIR --out DIR  # one report of runs on the two engines
 
@@ -19,6 +21,12 @@ block's time is the slowest rank's; the figure reported is the median over block
 - ``batch``: ``batch_isend_irecv`` of k ops (k/2 sends, k/2 receives) with a peer
 - ``exchange``: the symmetric exchange (receive + send to the peer, wait for both), the small-message latency test
 - ``halo2d``, ``halo3d``: one halo-exchange step on a periodic Cartesian grid; size is the interior edge
+- ``all_reduce``, ``broadcast``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``: one
+  blocking collective of float32 over every rank (``coll`` names them all; they are not in the default set); size
+  is each rank's tensor (the output of ``reduce_scatter_tensor``, each block of ``all_to_all_single``).  Besides
+  ``tensorplay`` and the hand-written nonblocking collective of mpi4py (``Iallreduce(...).Wait()``, ...),
+  ``tensorplay[checked]`` runs the same calls with checked mode on for that series only: what comparing the
+  members' arguments before each collective costs
 
 The tensorplay series run on the engine this process has (``tensorplay_p2p.engine``; set
 ``TENSORPLAY_P2P_ACCEL=0`` for the pure-Python one).  To put both engines side by side, run once
@@ -69,6 +77,7 @@ HALO_DEFAULT_MAX_EDGE = {2: 2048, 3: 128}
 IMPLS = ("tensorplay", "mpi4py", "gloo")
 SERIES_COLORS = {
     "tensorplay": "tab:blue",
+    "tensorplay[checked]": "tab:red",
     "tensorplay[isend]": "tab:purple",
     "tensorplay[plan]": "tab:cyan",
     "mpi4py": "tab:orange",
@@ -126,15 +135,20 @@ def doubling(low: int, high: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-def comma_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type for a comma-separated subset of ``choices``."""
+def comma_list(
+    choices: Sequence[str], groups: dict[str, tuple[str, ...]] | None = None
+) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type for a comma-separated subset of ``choices``; a name of ``groups`` stands for its members."""
+    groups = groups or {}
 
     def parse(text: str) -> tuple[str, ...]:
-        picked = tuple(item.strip() for item in text.split(",") if item.strip())
+        picked: list[str] = []
+        for item in (item.strip() for item in text.split(",")):
+            picked += groups.get(item, (item,) if item else ())
         unknown = [item for item in picked if item not in choices]
         if unknown or not picked:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
-        return picked
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join([*choices, *groups])}")
+        return tuple(dict.fromkeys(picked))
 
     return parse
 
@@ -149,10 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--patterns",
-        type=comma_list(tuple(PATTERNS)),
-        default=tuple(PATTERNS),
+        type=comma_list(tuple(PATTERNS), {"coll": COLLECTIVES}),
+        default=tuple(p for p in PATTERNS if p not in COLLECTIVES),
         metavar="LIST",
-        help=f"comma list of {', '.join(PATTERNS)} (default: all)",
+        help=f"comma list of {', '.join(PATTERNS)}, or coll for every collective (default: the point-to-point "
+        "patterns)",
     )
     add(
         "--impls",
@@ -288,7 +303,7 @@ class Pattern:
 
     name: str
     headline: str  # "time" or "bandwidth": the figure the table shows and the ratio compares
-    pairing: str  # "first-two", "halves" or "grid"
+    pairing: str  # "first-two", "halves", "grid" or "all"
     iteration: str  # what one timed iteration is, for the table
     series: tuple[Series, ...]
     volume: Callable[[Setting], Volume]
@@ -300,7 +315,7 @@ class Pattern:
     @property
     def min_ranks(self) -> int:
         """Ranks the pattern needs."""
-        return 1 if self.pairing == "grid" else 2
+        return 1 if self.pairing in ("grid", "all") else 2
 
     def message_bytes(self, size: int) -> int:
         """Bytes of the largest single message at ``size`` (a halo face of 8-byte cells)."""
@@ -811,6 +826,124 @@ def halo_gloo(s: Setting) -> Loop:
     return Loop(timed(body))
 
 
+# --- collectives: one blocking collective over every rank -----------------------------------------------
+
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+COLLECTIVE_COUNTS = {"small": (1_000, 20), "large": (100, 5)}  # (iterations, warm-up): osu_allreduce's defaults
+
+
+def collective_buffers(name: str, size: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """(input, output) float32 arrays of a collective where each rank's tensor is ``size`` bytes (the same array
+    twice for the in-place ones)."""
+    n, ranks = max(1, size // 4), COMM.Get_size()
+    if name in ("all_reduce", "broadcast"):
+        data = np.full(n, float(COMM.Get_rank() + 1), np.float32)
+        return data, data
+    if name == "all_gather_into_tensor":
+        return np.full(n, 1.0, np.float32), np.empty(n * ranks, np.float32)
+    return np.full(n * ranks, 1.0, np.float32), np.empty(
+        n if name == "reduce_scatter_tensor" else n * ranks, np.float32
+    )
+
+
+def collective_tensorplay(name: str, checked: bool) -> Builder:
+    """The package's blocking collective; with ``checked``, checked mode on for this series only (every rank runs
+    the series' blocks at the same time, so every rank is in the same mode)."""
+    from tensorplay_p2p import runtime
+
+    def build(s: Setting) -> Loop:
+        source, into = collective_buffers(name, s.size)
+        call: Callable[[], object] = {
+            "all_reduce": lambda: tp.all_reduce(into),
+            "broadcast": lambda: tp.broadcast(into, src=0),
+            "all_gather_into_tensor": lambda: tp.all_gather_into_tensor(into, source),
+            "reduce_scatter_tensor": lambda: tp.reduce_scatter_tensor(into, source),
+            "all_to_all_single": lambda: tp.all_to_all_single(into, source),
+        }[name]
+
+        def body(n: int) -> None:
+            ambient, runtime.state.checked = runtime.state.checked, checked
+            try:
+                for _ in range(n):
+                    call()
+            finally:
+                runtime.state.checked = ambient
+
+        return Loop(timed(body))
+
+    return build
+
+
+def collective_mpi4py(name: str) -> Builder:
+    """The hand-written nonblocking collective of mpi4py, then ``Wait``."""
+
+    def build(s: Setting) -> Loop:
+        source, into = collective_buffers(name, s.size)
+        post: Callable[[], MPI.Request] = {
+            "all_reduce": lambda: COMM.Iallreduce(MPI.IN_PLACE, into, MPI.SUM),
+            "broadcast": lambda: COMM.Ibcast(into, 0),
+            "all_gather_into_tensor": lambda: COMM.Iallgather(source, into),
+            "reduce_scatter_tensor": lambda: COMM.Ireduce_scatter_block(source, into, MPI.SUM),
+            "all_to_all_single": lambda: COMM.Ialltoall(source, into),
+        }[name]
+
+        def body(n: int) -> None:
+            for _ in range(n):
+                post().Wait()
+
+        return Loop(timed(body))
+
+    return build
+
+
+def collective_gloo(name: str) -> Builder:
+    """torch.distributed's blocking collective on gloo, on the same memory."""
+
+    def build(s: Setting) -> Loop:
+        gloo = s.ctx.gloo
+        source, into = (torch_view(a) for a in collective_buffers(name, s.size))
+        call: Callable[[], object] = {
+            "all_reduce": lambda: gloo.all_reduce(into),
+            "broadcast": lambda: gloo.broadcast(into, 0),
+            "all_gather_into_tensor": lambda: gloo.all_gather_into_tensor(into, source),
+            "reduce_scatter_tensor": lambda: gloo.reduce_scatter_tensor(into, source),
+            "all_to_all_single": lambda: gloo.all_to_all_single(into, source),
+        }[name]
+
+        def body(n: int) -> None:
+            for _ in range(n):
+                call()
+
+        return Loop(timed(body))
+
+    return build
+
+
+def collective_volume(s: Setting) -> Volume:
+    """Each rank's tensor, one collective."""
+    return Volume(s.size, 1)
+
+
+def collective_pattern(name: str) -> Pattern:
+    """One collective's pattern: tensorplay, tensorplay[checked], mpi4py and gloo over every rank."""
+    return Pattern(
+        name=name,
+        headline="time",
+        pairing="all",
+        iteration=f"one blocking {name} of float32 over every rank",
+        series=(
+            Series("tensorplay", "tensorplay", collective_tensorplay(name, False)),
+            Series("tensorplay[checked]", "tensorplay", collective_tensorplay(name, True)),
+            Series("mpi4py", "mpi4py", collective_mpi4py(name)),
+            Series("gloo", "gloo", collective_gloo(name)),
+        ),
+        volume=collective_volume,
+        counts=COLLECTIVE_COUNTS,
+        size_range=(4, 1 << 62),
+    )
+
+
 # --- volumes: what one iteration moves ----------------------------------------------------
 
 
@@ -951,6 +1084,7 @@ PATTERNS: dict[str, Pattern] = {
             counts=LATENCY_COUNTS,
             ndim=3,
         ),
+        *(collective_pattern(name) for name in COLLECTIVES),
     )
 }
 
@@ -1030,7 +1164,7 @@ def iteration_counts(config: Config, pattern: Pattern, size: int) -> tuple[int, 
 def setting_for(ctx: Context, pattern: Pattern, size: int) -> Setting | None:
     """This rank's part in the pattern: peer and role, or None when it sits out."""
     rank, pairs = ctx.rank, (ctx.ranks // 2 if pattern.pairing == "halves" else 1)
-    if pattern.pairing == "grid":
+    if pattern.pairing in ("grid", "all"):
         return Setting(ctx, size, ndim=pattern.ndim)
     if rank >= 2 * pairs:
         return None

@@ -7,6 +7,10 @@ A call flows one way: validate every argument (nothing is staged or posted befor
 as one contiguous run of host bytes (``staging``) → post the MPI collective → the handle completes it: the
 post-steps (AVG's division, float16 and bfloat16 rounded back from float32, copies back into strided or device
 tensors), then the pooled buffers go back.  ``async_op=False`` waits before returning.
+
+A call counts itself on its group (``collcheck.collective_group``) and, if its arguments are refused after that,
+says so (``collcheck.refused``), so that the members stay in step; in checked mode it describes itself
+(``collcheck.Call``) for the members to compare before it is posted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from mpi4py import MPI
 
 from . import reductions
 from .buffers import host_contiguous
+from .collcheck import Call, collective_group, refused
 from .collwork import CollectiveWork, reap_stranded, run, stranded
 from .gathers import (
     all_gather,
@@ -78,7 +83,7 @@ def all_reduce(
     tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> CollectiveWork | None:
     """Reduce ``tensor`` across the group, in place on every rank (``MPI_Iallreduce`` with ``MPI_IN_PLACE``)."""
-    pg = member_group(group, "all_reduce")
+    pg = collective_group(group, "all_reduce")
     return None if pg is None else _all_reduce("all_reduce", [tensor], op, pg, async_op, single=True)
 
 
@@ -86,43 +91,55 @@ def all_reduce_coalesced(
     tensors: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> CollectiveWork | None:
     """``all_reduce`` of each tensor of the list (one dtype), under one handle."""
-    pg = member_group(group, "all_reduce_coalesced")
+    pg = collective_group(group, "all_reduce_coalesced")
     return None if pg is None else _all_reduce("all_reduce_coalesced", tensors, op, pg, async_op, single=False)
 
 
 def _all_reduce(
     what: str, tensors: Any, op: Any, pg: ProcessGroup, async_op: bool, single: bool
 ) -> CollectiveWork | None:
-    red = reductions.canonical(op, what)
-    lean = host_contiguous(tensors[0]) if single else None
-    if lean is not None:  # in place, as it is, when MPI reduces its dtype directly: no staging, no post-steps
-        plan = reductions.plan(lean[1], red, what)
-        if not (plan.widen or plan.average):
-            spec = [lean[0], lean[2] // plan.compute.itemsize, plan.datatype]
-            mpi_op = plan.op
+    try:
+        red = reductions.canonical(op, what)
+        lean = host_contiguous(tensors[0]) if single and not state.checked else None
+        plan = None if lean is None else reductions.plan(lean[1], red, what)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    if lean is not None and plan is not None and not (plan.widen or plan.average):
+        # in place, as it is, when MPI reduces its dtype directly: no staging, no post-steps
+        spec = [lean[0], lean[2] // plan.compute.itemsize, plan.datatype]
+        mpi_op = plan.op
 
-            def post_lean(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
-                requests.append(comm.Iallreduce(_IN_PLACE, spec, mpi_op))
+        def post_lean(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
+            requests.append(comm.Iallreduce(_IN_PLACE, spec, mpi_op))
 
-            return run(what, pg, None, (red.name, plan.dtype, lean[2]), tensors, (), post_lean, async_op)
-    items = tensors if single else as_list(tensors, what, "tensors")
-    args = [arg(t, True, what, "tensor" if single else f"tensors[{i}]") for i, t in enumerate(items)]
-    if not args:
-        raise ValueError(f"{what}: tensors is empty; give at least one tensor")
-    plan = reductions.plan(check_dtypes(args, what), red, what)
-    if len(args) > 1:
-        overlapping(args, what)
-    with Staging() as staging:
-        slots = [staging.slot(a, reads=True) for a in args]
-        for s in slots:
-            s.reduction(plan, pg.size(), reads=True, writes=True)
+        return run(what, pg, None, (red.name, plan.dtype, lean[2]), tensors, (), post_lean, async_op)
+    try:
+        items = tensors if single else as_list(tensors, what, "tensors")
+        args = [arg(t, True, what, "tensor" if single else f"tensors[{i}]") for i, t in enumerate(items)]
+        if not args:
+            raise ValueError(f"{what}: tensors is empty; give at least one tensor")
+        plan = reductions.plan(check_dtypes(args, what), red, what)
+        if len(args) > 1:
+            overlapping(args, what)
+        with Staging() as staging:
+            slots = [staging.slot(a, reads=True) for a in args]
+            for s in slots:
+                s.reduction(plan, pg.size(), reads=True, writes=True)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = None
+    if state.checked:
+        sizes = "" if single else str([a.numel for a in args])
+        call = Call(what, reduce=red.name, dtype=plan.dtype, elements=sum(a.numel for a in args), sizes=sizes)
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         for s in slots:
             requests.append(comm.Iallreduce(_IN_PLACE, s.spec(), plan.op))
 
     nbytes = sum(a.layout.nbytes for a in args)
-    return run(what, pg, None, (red.name, plan.dtype, nbytes), list(items), staging.parts, post, async_op)
+    return run(what, pg, None, (red.name, plan.dtype, nbytes), list(items), staging.parts, post, async_op, call=call)
 
 
 def reduce(
@@ -135,17 +152,22 @@ def reduce(
 ) -> CollectiveWork | None:
     """Reduce ``tensor`` across the group into the root's ``tensor`` (``MPI_Ireduce``; the others' are unchanged)."""
     what = "reduce"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    at = root(pg, dst, group_dst, what, ("dst", "group_dst"))
-    red = reductions.canonical(op, what)
-    here = pg.rank() == at
-    a = arg(tensor, here, what, "tensor")
-    plan = reductions.plan(a.dtype, red, what)
-    with Staging() as staging:
-        slot = staging.slot(a, reads=True)
-        slot.reduction(plan, pg.size(), reads=True, writes=here)
+    try:
+        at = root(pg, dst, group_dst, what, ("dst", "group_dst"))
+        red = reductions.canonical(op, what)
+        here = pg.rank() == at
+        a = arg(tensor, here, what, "tensor")
+        plan = reductions.plan(a.dtype, red, what)
+        with Staging() as staging:
+            slot = staging.slot(a, reads=True)
+            slot.reduction(plan, pg.size(), reads=True, writes=here)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, at, red.name, a.dtype, a.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         if here:
@@ -153,7 +175,7 @@ def reduce(
         else:
             requests.append(comm.Ireduce(slot.spec(), None, plan.op, at))
 
-    return run(what, pg, at, (red.name, a.dtype, a.layout.nbytes), [tensor], staging.parts, post, async_op)
+    return run(what, pg, at, (red.name, a.dtype, a.layout.nbytes), [tensor], staging.parts, post, async_op, call=call)
 
 
 def broadcast(
@@ -165,19 +187,24 @@ def broadcast(
 ) -> CollectiveWork | None:
     """Copy the root's ``tensor`` into ``tensor`` on every other rank (``MPI_Ibcast``)."""
     what = "broadcast"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    at = root(pg, src, group_src, what, ("src", "group_src"))
-    here = pg.rank() == at
-    a = arg(tensor, not here, what, "tensor")
-    with Staging() as staging:
-        slot = staging.slot(a, reads=here)
+    try:
+        at = root(pg, src, group_src, what, ("src", "group_src"))
+        here = pg.rank() == at
+        a = arg(tensor, not here, what, "tensor")
+        with Staging() as staging:
+            slot = staging.slot(a, reads=here)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, at, dtype=a.dtype, elements=a.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Ibcast(slot.spec(), at))
 
-    return run(what, pg, at, (None, a.dtype, a.layout.nbytes), [tensor], staging.parts, post, async_op)
+    return run(what, pg, at, (None, a.dtype, a.layout.nbytes), [tensor], staging.parts, post, async_op, call=call)
 
 
 # --- barriers --------------------------------------------------------------------------------
@@ -194,15 +221,20 @@ def barrier(
     ``device_ids`` is accepted and ignored.  With ``async_op``, ``timeout`` is the handle's ``wait()`` default.
     """
     what = "barrier"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    limit = seconds(timeout, f"{what}: timeout")
+    try:
+        limit = seconds(timeout, f"{what}: timeout")
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Ibarrier())
 
-    return run(what, pg, None, (None, None, 0), [], [], post, async_op, limit)
+    call = Call(what) if state.checked else None
+    return run(what, pg, None, (None, None, 0), [], [], post, async_op, limit, call=call)
 
 
 DEFAULT_MONITORED_TIMEOUT = 1800.0  # seconds, torch's default process-group timeout

@@ -5,10 +5,15 @@ with a timeout, ``MPI_Testall`` polled by ``work.poll``), then runs the post-ste
 (``staging.Slot.finish``: AVG's division, rounding back to float16 or bfloat16, copies back into strided or device
 tensors) and gives the pooled buffers back.  A pending handle is tracked by the watchdog, named by a signal's
 report, and if dropped kept in ``work.dropped`` with its buffers until MPI is done with them.
+
+Off the common path (checked mode, or a group whose member refused a collective), a handle is not posted at once:
+``collcheck`` queues it on its group and posts it (``post_deferred``) once the members agree, or fails it
+(``fail_deferred``); its ``wait`` and ``test`` move that queue on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +22,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from . import profiling, signals, watchdog, work
+from . import collcheck, errors, profiling, signals, watchdog, work
 from .errors import CommunicationError
 from .groups import ProcessGroup
 from .runtime import seconds, state
@@ -25,7 +30,7 @@ from .staging import Blocks, Slot
 
 __all__ = ["CollectiveWork", "Post", "reap_stranded", "run", "stranded"]
 
-_PENDING, _DONE, _FAILED = 0, 1, 2
+_PENDING, _DONE, _FAILED, _DEFERRED = 0, 1, 2, 3
 _Waitall = MPI.Request.Waitall
 _Testall = MPI.Request.Testall
 _yield = os.sched_yield
@@ -47,11 +52,13 @@ class CollectiveWork:
     __slots__ = (
         "__weakref__",
         "_detail",
+        "_entry",
         "_exception",
         "_group",
         "_name",
         "_outputs",
         "_parts",
+        "_post",
         "_profiled",
         "_requests",
         "_root",
@@ -71,11 +78,14 @@ class CollectiveWork:
         post: Post,
         timeout: float | None = None,
         inputs: list[Any] | None = None,
+        call: collcheck.Call | None = None,
     ) -> None:
         """Post the collective (``post`` appends its requests); ``detail`` is (op, dtype, bytes) for descriptions,
-        ``inputs`` the tensors a profiler event shows (default: ``outputs``, for the in-place collectives).
+        ``inputs`` the tensors a profiler event shows (default: ``outputs``, for the in-place collectives), ``call``
+        its description in checked mode.
 
-        If posting fails, what was staged is given back (a request already posted keeps it until it completes)."""
+        If posting fails, what was staged is given back (a request already posted keeps it until it completes).
+        In checked mode, or while the group is off the common path, it is queued instead (``collcheck.defer``)."""
         self._name = name
         self._group = group
         self._root = root  # group rank, or None
@@ -87,6 +97,7 @@ class CollectiveWork:
         self._exception: CommunicationError | None = None
         self._state = _FAILED
         self._profiled = None
+        self._entry: collcheck.Entry | None = None
         self.posted = time.monotonic()
         if work.dropped:
             work.reap_dropped()
@@ -97,20 +108,53 @@ class CollectiveWork:
             shown = outputs if inputs is None else inputs
             backend = profiling.backend_name(group, shown[0] if shown else None)
             self._profiled = profiling.start(backend, _EVENTS.get(name, name), shown)
+        if group.steps is None and (call is None or group.size() == 1):  # the common path: posted now
+            self._start(comm, post, group.calls)
+            return
+        self._post: Post | None = post
+        self._state = _DEFERRED
+        if watchdog.active:
+            watchdog.track(self)
+        self._entry = collcheck.defer(self, group, name, call)
+        collcheck.advance(group)  # posted at once if nothing holds it back
+
+    def _start(self, comm: MPI.Intracomm, post: Post, number: int) -> None:
+        """Post the requests; call ``number`` of the group, noted as not posted here if MPI refuses it."""
         try:
             post(comm, self._requests)
         except MPI.Exception as exc:
+            hint = errors.collective_hint(exc.Get_error_code())
             error = CommunicationError(
-                f"{self.describe()}: posting it failed", op=name, mpi_error=exc.Get_error_string().strip()
+                f"{self.describe()}: posting it failed{hint}", op=self._name, mpi_error=exc.Get_error_string().strip()
             )
             self._not_posted(error)
+            collcheck.mark_refused(self._group, self._name, number)  # the other members may have posted theirs
             raise error from exc
         except BaseException:
-            self._not_posted(CommunicationError(f"{self.describe()}: not posted", op=name))
+            self._not_posted(CommunicationError(f"{self.describe()}: not posted", op=self._name))
+            collcheck.mark_refused(self._group, self._name, number)
             raise
         self._state = _PENDING
         if watchdog.active:
             watchdog.track(self)
+
+    def post_deferred(self) -> None:
+        """``collcheck``: the members agreed; post it now (a failure is this handle's error)."""
+        post, self._post = self._post, None
+        entry, self._entry = self._entry, None  # the queue's entry refers to this handle: no cycle is left
+        assert post is not None and entry is not None
+        try:
+            comm = self._group.live_comm(self._name)
+        except (RuntimeError, ValueError) as exc:
+            self.fail_deferred(CommunicationError(f"{self.describe()}: not posted: {exc}", op=self._name))
+            return
+        with contextlib.suppress(CommunicationError):  # wait() raises it
+            self._start(comm, post, entry.number)
+
+    def fail_deferred(self, error: CommunicationError) -> None:
+        """``collcheck``: the members disagree, or are out of step; it is never posted."""
+        self._post = self._entry = None
+        self._settle(error)
 
     def _not_posted(self, error: CommunicationError) -> None:
         self._exception = error
@@ -120,29 +164,38 @@ class CollectiveWork:
             self._settle(error)
 
     def __del__(self) -> None:
-        if self._state == _PENDING:
+        if self._state == _PENDING or self._state == _DEFERRED:
             cast("list[Any]", work.dropped).append(self)  # kept alive until MPI is done with its buffers
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the collective completes (at most ``timeout``); raise its error if it failed. Returns True."""
         if timeout is None:
             timeout = self._timeout
-        if self._state == _PENDING:
-            if timeout is None:
-                try:
+            while self._state == _DEFERRED and timeout is None:  # off the common path: posted once agreed
+                collcheck.advance(self._group, self, block=True)
+        if self._state == _PENDING and timeout is None:  # blocks here, in this frame: signals names it
+            requests = self._requests
+            statuses = None if len(requests) == 1 else [MPI.Status() for _ in requests]
+            try:
+                if statuses is None:
                     if state.oversubscribed:
-                        while not _Testall(self._requests):
+                        while not requests[0].Test():
                             _yield()
                     else:
-                        _Waitall(self._requests)
-                except MPI.Exception as exc:
-                    self._failed(exc)
+                        requests[0].Wait()
+                elif state.oversubscribed:
+                    while not _Testall(requests, statuses):
+                        _yield()
                 else:
-                    self._settle(self._exception)
+                    _Waitall(requests, statuses)
+            except MPI.Exception as exc:
+                self._failed(_code(exc, statuses))
             else:
-                limit = seconds(timeout, "timeout")
-                assert limit is not None
-                work.poll(self.test, limit, self._still_pending, f"{self._name}: ")
+                self._settle(self._exception)
+        elif self._state == _PENDING or self._state == _DEFERRED:
+            limit = seconds(timeout, "timeout")
+            assert limit is not None
+            work.poll(self.test, limit, self._still_pending, f"{self._name}: ")
         elif timeout is not None:
             seconds(timeout, "timeout")  # a bad timeout is an error whatever the state
         if self._exception is not None:
@@ -151,12 +204,18 @@ class CollectiveWork:
 
     def test(self) -> bool:
         """Whether the collective has finished (``MPI_Testall``); completes it if so."""
+        if self._state == _DEFERRED:
+            collcheck.advance(self._group)
+            if self._state == _DEFERRED:
+                return False
         if self._state != _PENDING:
             return True
+        requests = self._requests
+        statuses = None if len(requests) == 1 else [MPI.Status() for _ in requests]
         try:
-            done = _Testall(self._requests)
+            done = requests[0].Test() if statuses is None else _Testall(requests, statuses)
         except MPI.Exception as exc:
-            self._failed(exc)
+            self._failed(_code(exc, statuses))
             return True
         if done:
             self._settle(self._exception)
@@ -188,6 +247,8 @@ class CollectiveWork:
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog, signals and timeouts: this collective, if still pending."""
+        if self._state == _DEFERRED and self._entry is not None:
+            return [errors.deferred_line(self.describe(now), self._entry.reason(self._group))]
         if self._state != _PENDING:
             return []
         return [f"{self.describe(now)}; every member of the group must call {self._name}"]
@@ -195,14 +256,9 @@ class CollectiveWork:
     def _still_pending(self, now: float) -> list[str]:
         return [] if self.test() else self.pending_lines(now)
 
-    def _failed(self, exc: MPI.Exception) -> None:
-        """MPI reported an error completing the requests."""
-        hint = ""
-        if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-            hint = " (the ranks' tensors differ in size)"
-        error = CommunicationError(
-            f"{self.describe()} failed{hint}", op=self._name, mpi_error=exc.Get_error_string().strip()
-        )
+    def _failed(self, code: int) -> None:
+        """MPI reported error ``code`` completing the requests."""
+        error = errors.collective_failure(self.describe(), self._name, code, MPI.Get_error_string(code).strip())
         if any(self._requests):  # some still active: their buffers stay alive with them, never reused
             stranded.append((self._requests, self._parts))
             self._parts = []
@@ -215,6 +271,10 @@ class CollectiveWork:
         for part in parts:
             try:
                 part.finish(error is None)
+            except CommunicationError as exc:  # worded already (a freed output, in checked mode)
+                if error is None:
+                    error = CommunicationError(f"{self.describe()}: {exc}", op=self._name)
+                    error.__cause__ = exc
             except Exception as exc:
                 if error is None:
                     error = CommunicationError(f"{self.describe()}: it completed but finishing it failed: {exc!r}")
@@ -228,7 +288,7 @@ class CollectiveWork:
             self._profiled = None
 
     def __repr__(self) -> str:
-        state = ("pending", "completed", "failed")[self._state]
+        state = ("pending", "completed", "failed", "not posted yet")[self._state]
         return f"CollectiveWork({self.describe()}, {state})"
 
 
@@ -247,13 +307,28 @@ def run(
     async_op: bool,
     timeout: float | None = None,
     inputs: list[Any] | None = None,
+    call: collcheck.Call | None = None,
 ) -> CollectiveWork | None:
-    """Post the collective; the handle with ``async_op``, else wait for it (the watchdog's rule applies) and None."""
-    handle = CollectiveWork(name, group, root, detail, outputs, parts, post, timeout, inputs)
+    """Post the collective; the handle with ``async_op``, else wait for it (the watchdog's rule applies) and None.
+
+    If the members' checked-mode records of the call disagree (``call``), the staged buffers are given back and
+    nothing is posted."""
+    handle = CollectiveWork(name, group, root, detail, outputs, parts, post, timeout, inputs, call)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _code(exc: MPI.Exception, statuses: list[MPI.Status] | None) -> int:
+    """The error code of a failed wait or test: for one request the one MPI gives, for several the one MPI put in a
+    status (``MPI_ERR_IN_STATUS``), so that a truncation is named as such."""
+    code = exc.Get_error_code()
+    if statuses is not None and MPI.Get_error_class(code) == MPI.ERR_IN_STATUS:
+        for status in statuses:
+            if status.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING):
+                return status.Get_error()
+    return code
 
 
 def reap_stranded() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from mpi4py import MPI
 
 __all__ = [
+    "CollectiveMismatchError",
     "CommunicationError",
     "CommunicationTimeout",
     "DistBackendError",
@@ -20,11 +21,21 @@ __all__ = [
     "MessageMismatchError",
     "MessageSizeError",
     "batch_failures",
+    "collective_failure",
+    "collective_hint",
+    "collective_mismatch",
+    "collective_pair",
+    "collective_refused",
+    "deferred_line",
     "describe_message",
     "describe_op",
+    "destroyed_unposted",
     "exchange_size_error",
     "failure",
+    "forgotten_unposted",
+    "freed_storage",
     "hook_error",
+    "out_of_step",
     "posting_error",
     "size_error",
     "timeout_error",
@@ -91,6 +102,16 @@ class MessageSizeError(CommunicationError):
 
 class MessageMismatchError(CommunicationError):
     """Checked mode: the message's dtype or shape differs from the receiving tensor's."""
+
+
+class CollectiveMismatchError(MessageMismatchError):
+    """Checked mode: the members' calls of one collective disagree (collective, root, reduce op, dtype, sizes), or a
+    member refused its call; no member posted it."""
+
+    def __init__(self, message: str, *, op: str, field: str, values: dict[int, str]) -> None:
+        super().__init__(message, op=op)
+        self.field = field
+        self.values = values
 
 
 class CommunicationTimeout(CommunicationError, TimeoutError):  # noqa: N818 (torch-style name)
@@ -360,4 +381,130 @@ def local_rank_unknown(names: tuple[str, ...]) -> str:
         + ", ".join(names[1:])
         + "). Consider passing fallback_rank to allow `get_node_local_rank` to work, assuming you are not running "
         "in a multi-device context and want the code to run locally instead."
+    )
+
+
+# --- collectives whose members disagree or fell out of step ---------------------------------------
+
+_MISMATCH = {  # what differs: how the message names it, and the verb before each member's value
+    "collective": ("the members call different collectives", "calls"),
+    "root": ("the members name different roots", "names the root"),
+    "reduce": ("the members pass different reduce ops", "passes"),
+    "dtype": ("the members' tensors have different dtypes", "passes"),
+    "count": ("the members' tensors hold different numbers of elements", "passes"),
+    "sizes": ("the members' tensors hold different numbers of elements", "passes tensors of"),
+    "rows": ("the members' rows have different shapes", "passes rows of shape"),
+}
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"global rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def _plural(verb: str, many: bool) -> str:
+    if not many:
+        return verb
+    first, _, rest = verb.partition(" ")
+    first = {"passes": "pass", "names": "name", "calls": "call"}.get(first, first)
+    return f"{first} {rest}".strip()
+
+
+def collective_mismatch(what: str, group: str, field: str, values: dict[int, str]) -> CollectiveMismatchError:
+    """Checked mode: the members' calls of ``what`` on ``group`` (its description) differ in ``field``; ``values``
+    holds each member's, by global rank."""
+    label, verb = _MISMATCH[field]
+    by_value: dict[str, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        by_value.setdefault(value, []).append(rank)
+    sides = "; ".join(f"{_ranks(r)} {_plural(verb, len(r) > 1)} {v}" for v, r in by_value.items())
+    return CollectiveMismatchError(
+        f"{what} on {group}: {label} (checked mode): {sides}; no member posted it", op=what, field=field, values=values
+    )
+
+
+def collective_refused(what: str, group: str, notes: dict[int, str]) -> CollectiveMismatchError:
+    """Checked mode: the members ``notes`` names (global rank: their call and its error) refused their call."""
+    sides = "; ".join(f"{_ranks([rank])}: {note}" for rank, note in sorted(notes.items()))
+    few = len(notes) == 1
+    return CollectiveMismatchError(
+        f"{what} on {group}: {'a member' if few else 'members'} refused {'its' if few else 'their'} call (checked "
+        f"mode): {sides}; no member posted it",
+        op=what,
+        field="refused",
+        values=notes,
+    )
+
+
+def collective_pair(
+    what: str, group: str, unit: str, sender: int, receiver: int, sends: int, expects: int
+) -> CollectiveMismatchError:
+    """Checked mode: global rank ``sender`` sends ``sends`` of ``unit`` ("element", "row") to ``receiver``, which
+    expects ``expects``."""
+    sent, expected = (f"{n} {unit}{'s' if n != 1 else ''}" for n in (sends, expects))
+    return CollectiveMismatchError(
+        f"{what} on {group}: the members' split sizes disagree (checked mode): global rank {sender} sends {sent} "
+        f"to global rank {receiver}, which expects {expected} from it; no member posted it",
+        op=what,
+        field="splits",
+        values={
+            sender: f"sends {sent} to global rank {receiver}",
+            receiver: f"expects {expected} from global rank {sender}",
+        },
+    )
+
+
+def out_of_step(what: str, group: str, refusals: dict[int, str]) -> CommunicationError:
+    """The members that reconciled after refused collectives did not refuse the same ones (``refusals``: global rank:
+    the calls it refused): the group's collectives can no longer be matched."""
+    sides = "; ".join(f"{_ranks([rank])} refused {text}" for rank, text in sorted(refusals.items()))
+    return CommunicationError(
+        f"{what} on {group}: the members are out of step: they refused different collectives ({sides}), so the "
+        "collectives some of them posted can never be matched; no collective of this group is posted any more on "
+        "this rank: make a new group with new_group() on every member, or end the job",
+        op=what,
+    )
+
+
+def destroyed_unposted(what: str, group: str) -> CommunicationError:
+    """A collective queued until its group's members agreed, whose group was destroyed first."""
+    return CommunicationError(
+        f"{what}: not posted: process group {group!r} was destroyed before its members agreed to post it", op=what
+    )
+
+
+def forgotten_unposted(what: str, group: str) -> CommunicationError:
+    """A collective queued until its group's members agreed, whose group's record of refused calls was forgotten."""
+    return CommunicationError(
+        f"{what}: not posted: the refused collectives of process group {group!r} were forgotten before its members "
+        "agreed to post it",
+        op=what,
+    )
+
+
+def deferred_line(description: str, reason: str) -> str:
+    """The pending line of a collective that is not posted yet, and why (for timeouts, the watchdog, signals)."""
+    return f"{description}; not posted yet: {reason}"
+
+
+def collective_hint(code: int) -> str:
+    """What a collective's MPI error ``code`` most likely means, for the message."""
+    if MPI.Get_error_class(code) == MPI.ERR_TRUNCATE:
+        return " (the members' tensors differ in size, or they call different collectives)"
+    if MPI.Get_error_class(code) == MPI.ERR_OTHER:  # MPICH's word for a truncated nonblocking collective
+        return " (MPI names no cause: the members' tensors may differ in size, which checked mode names)"
+    return ""
+
+
+def collective_failure(description: str, what: str, code: int, mpi_error: str) -> CommunicationError:
+    """A collective that MPI completed with error ``code`` (its class decoded from the status where MPI put it)."""
+    return CommunicationError(f"{description} failed{collective_hint(code)}", op=what, mpi_error=mpi_error)
+
+
+def freed_storage(name: str, posted: tuple[int, int], now: tuple[int, int]) -> str:
+    """Checked mode: a torch output's storage was freed or moved while the collective was pending."""
+    return (
+        f"the storage of {name} was freed or moved while the collective was pending (it was "
+        f"{posted[1]} bytes at {posted[0]:#x}, it is {now[1]} bytes at {now[0]:#x}); its result was not written "
+        "into it. Keep a collective's tensors (and their storage) alive and unchanged until wait() returns"
     )

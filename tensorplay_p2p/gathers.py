@@ -3,7 +3,8 @@
 Each is one MPI nonblocking collective (``MPI_Iallgather(v)``, ``MPI_Igatherv``, ``MPI_Iscatterv``,
 ``MPI_Ireduce_scatter_block``, ``MPI_Ialltoallv``) under a ``collwork.CollectiveWork``.  A list of tensors
 is one MPI buffer with byte displacements (``staging.Blocks``): in place when the tensors are contiguous host
-memory, else packed.  Every argument is checked before anything is staged or posted.
+memory, else packed.  Every argument is checked before anything is staged or posted; a call refused then says so
+(``collcheck.refused``), and in checked mode a call describes itself (``collcheck.Call``), as in ``collectives``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Any
 from mpi4py import MPI
 
 from . import reductions
+from .collcheck import Call, collective_group, refused
 from .collwork import CollectiveWork, run
 from .groups import ProcessGroup, to_int
 from .reductions import ReduceOp
+from .runtime import state
 from .staging import Arg, Staging, arg, as_list, check_count, check_dtypes, check_numel, offsets, overlapping, root
-from .validate import member_group
 
 __all__ = [
     "all_gather",
@@ -43,26 +45,40 @@ def all_gather(
 ) -> CollectiveWork | None:
     """Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."""
     what = "all_gather"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    outputs = as_list(tensor_list, what, "tensor_list")
-    check_count(outputs, pg, what, "tensor_list")
-    source = arg(tensor, False, what, "tensor")
-    outs = _args(outputs, True, what, "tensor_list")
-    dtype = check_dtypes([source, *outs], what)
-    for o in outs:
-        check_numel(o, source.numel, what, "the elements of tensor")
-    copied = overlapping([source, *outs], what)
-    with Staging() as staging:
-        mine = staging.slot(source, reads=True, private=0 in copied)
-        into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+    try:
+        outputs = as_list(tensor_list, what, "tensor_list")
+        check_count(outputs, pg, what, "tensor_list")
+        source = arg(tensor, False, what, "tensor")
+        outs = _args(outputs, True, what, "tensor_list")
+        dtype = check_dtypes([source, *outs], what)
+        for o in outs:
+            check_numel(o, source.numel, what, "the elements of tensor")
+        copied = overlapping([source, *outs], what)
+        with Staging() as staging:
+            mine = staging.slot(source, reads=True, private=0 in copied)
+            into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iallgatherv(mine.spec(), into.spec()))
 
     return run(
-        what, pg, None, (None, dtype, source.layout.nbytes), outputs, staging.parts, post, async_op, inputs=[tensor]
+        what,
+        pg,
+        None,
+        (None, dtype, source.layout.nbytes),
+        outputs,
+        staging.parts,
+        post,
+        async_op,
+        inputs=[tensor],
+        call=call,
     )
 
 
@@ -72,17 +88,24 @@ def all_gather_into_tensor(
     """Gather every rank's ``input_tensor`` into ``output_tensor`` in rank order (``MPI_Iallgather``); the output
     has any shape that holds the group size times the input's elements."""
     what = "all_gather_into_tensor"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    out = arg(output_tensor, True, what, "output_tensor")
-    source = arg(input_tensor, False, what, "input_tensor")
-    dtype = check_dtypes([out, source], what)
-    check_numel(out, pg.size() * source.numel, what, f"the group size {pg.size()} times the elements of input_tensor")
-    copied = overlapping([source, out], what)
-    with Staging() as staging:
-        mine = staging.slot(source, reads=True, private=0 in copied)
-        into = staging.slot(out, reads=False)
+    try:
+        out = arg(output_tensor, True, what, "output_tensor")
+        source = arg(input_tensor, False, what, "input_tensor")
+        dtype = check_dtypes([out, source], what)
+        check_numel(
+            out, pg.size() * source.numel, what, f"the group size {pg.size()} times the elements of input_tensor"
+        )
+        copied = overlapping([source, out], what)
+        with Staging() as staging:
+            mine = staging.slot(source, reads=True, private=0 in copied)
+            into = staging.slot(out, reads=False)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iallgather(mine.spec(), [into.mpi, mine.mpi.nbytes, _BYTE]))
@@ -97,6 +120,7 @@ def all_gather_into_tensor(
         post,
         async_op,
         inputs=[input_tensor],
+        call=call,
     )
 
 
@@ -106,36 +130,44 @@ def all_gather_coalesced(
     """``all_gather`` of each tensor of ``input_tensor_list`` under one handle: ``output_tensor_lists[r][i]``
     receives rank r's ``input_tensor_list[i]``."""
     what = "all_gather_coalesced"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    inputs = as_list(input_tensor_list, what, "input_tensor_list")
-    lists = as_list(output_tensor_lists, what, "output_tensor_lists")
-    check_count(lists, pg, what, "output_tensor_lists")
-    rows = [as_list(row, what, f"output_tensor_lists[{r}]") for r, row in enumerate(lists)]
-    sources = _args(inputs, False, what, "input_tensor_list")
-    outs: list[list[Arg]] = []
-    for r, row in enumerate(rows):
-        if len(row) != len(inputs):
-            raise ValueError(
-                f"{what}: output_tensor_lists[{r}] has {len(row)} tensors; it needs one per tensor of "
-                f"input_tensor_list ({len(inputs)})"
-            )
-        outs.append(_args(row, True, what, f"output_tensor_lists[{r}]"))
-    every = [*sources, *(o for row in outs for o in row)]
-    if not every:
-        raise ValueError(f"{what}: input_tensor_list is empty; give at least one tensor")
-    dtype = check_dtypes(every, what)
-    for row in outs:
-        for o, s in zip(row, sources, strict=True):
-            check_numel(o, s.numel, what, f"the elements of {s.name}")
-    copied = overlapping(every, what)
-    with Staging() as staging:
-        mine = [staging.slot(s, reads=True, private=i in copied) for i, s in enumerate(sources)]
-        into = [
-            staging.blocks([staging.slot(row[i], reads=False) for row in outs], writes=True)
-            for i in range(len(sources))
-        ]
+    try:
+        inputs = as_list(input_tensor_list, what, "input_tensor_list")
+        lists = as_list(output_tensor_lists, what, "output_tensor_lists")
+        check_count(lists, pg, what, "output_tensor_lists")
+        rows = [as_list(row, what, f"output_tensor_lists[{r}]") for r, row in enumerate(lists)]
+        sources = _args(inputs, False, what, "input_tensor_list")
+        outs: list[list[Arg]] = []
+        for r, row in enumerate(rows):
+            if len(row) != len(inputs):
+                raise ValueError(
+                    f"{what}: output_tensor_lists[{r}] has {len(row)} tensors; it needs one per tensor of "
+                    f"input_tensor_list ({len(inputs)})"
+                )
+            outs.append(_args(row, True, what, f"output_tensor_lists[{r}]"))
+        every = [*sources, *(o for row in outs for o in row)]
+        if not every:
+            raise ValueError(f"{what}: input_tensor_list is empty; give at least one tensor")
+        dtype = check_dtypes(every, what)
+        for row in outs:
+            for o, s in zip(row, sources, strict=True):
+                check_numel(o, s.numel, what, f"the elements of {s.name}")
+        copied = overlapping(every, what)
+        with Staging() as staging:
+            mine = [staging.slot(s, reads=True, private=i in copied) for i, s in enumerate(sources)]
+            into = [
+                staging.blocks([staging.slot(row[i], reads=False) for row in outs], writes=True)
+                for i in range(len(sources))
+            ]
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = None
+    if state.checked:
+        numels = [s.numel for s in sources]
+        call = Call(what, dtype=dtype, elements=sum(numels), sizes=str(numels))
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         for source, blocks in zip(mine, into, strict=True):
@@ -144,7 +176,16 @@ def all_gather_coalesced(
     nbytes = sum(s.layout.nbytes for s in sources)
     flat = [t for row in rows for t in row]
     return run(
-        what, pg, None, (None, dtype, nbytes), flat, staging.parts, post, async_op, inputs=list(input_tensor_list)
+        what,
+        pg,
+        None,
+        (None, dtype, nbytes),
+        flat,
+        staging.parts,
+        post,
+        async_op,
+        inputs=list(input_tensor_list),
+        call=call,
     )
 
 
@@ -158,26 +199,40 @@ def gather(
 ) -> CollectiveWork | None:
     """Gather every rank's ``tensor`` into the root's ``gather_list`` (``MPI_Igatherv``)."""
     what = "gather"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    at = root(pg, dst, group_dst, what, ("dst", "group_dst"))
-    source = arg(tensor, False, what, "tensor")
-    outputs = _root_list(gather_list, pg, at, what, "gather_list", "destination")
-    outs = _args(outputs, True, what, "gather_list")
-    dtype = check_dtypes([source, *outs], what)
-    for o in outs:
-        check_numel(o, source.numel, what, "the elements of tensor")
-    copied = overlapping([source, *outs], what) if outs else set()
-    with Staging() as staging:
-        mine = staging.slot(source, reads=True, private=0 in copied)
-        into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True) if outs else None
+    try:
+        at = root(pg, dst, group_dst, what, ("dst", "group_dst"))
+        source = arg(tensor, False, what, "tensor")
+        outputs = _root_list(gather_list, pg, at, what, "gather_list", "destination")
+        outs = _args(outputs, True, what, "gather_list")
+        dtype = check_dtypes([source, *outs], what)
+        for o in outs:
+            check_numel(o, source.numel, what, "the elements of tensor")
+        copied = overlapping([source, *outs], what) if outs else set()
+        with Staging() as staging:
+            mine = staging.slot(source, reads=True, private=0 in copied)
+            into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True) if outs else None
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, at, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Igatherv(mine.spec(), None if into is None else into.spec(), at))
 
     return run(
-        what, pg, at, (None, dtype, source.layout.nbytes), outputs, staging.parts, post, async_op, inputs=[tensor]
+        what,
+        pg,
+        at,
+        (None, dtype, source.layout.nbytes),
+        outputs,
+        staging.parts,
+        post,
+        async_op,
+        inputs=[tensor],
+        call=call,
     )
 
 
@@ -191,25 +246,41 @@ def scatter(
 ) -> CollectiveWork | None:
     """Send the root's ``scatter_list[r]`` into rank r's ``tensor`` (``MPI_Iscatterv``)."""
     what = "scatter"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    at = root(pg, src, group_src, what, ("src", "group_src"))
-    out = arg(tensor, True, what, "tensor")
-    sources = _args(_root_list(scatter_list, pg, at, what, "scatter_list", "source"), False, what, "scatter_list")
-    dtype = check_dtypes([out, *sources], what)
-    for s in sources:
-        check_numel(s, out.numel, what, "the elements of tensor")
-    copied = overlapping([out, *sources], what) if sources else set()
-    with Staging() as staging:
-        into = staging.slot(out, reads=False)
-        slots = [staging.slot(s, reads=True, private=i + 1 in copied) for i, s in enumerate(sources)]
-        blocks = staging.blocks(slots, writes=False) if sources else None
+    try:
+        at = root(pg, src, group_src, what, ("src", "group_src"))
+        out = arg(tensor, True, what, "tensor")
+        sources = _args(_root_list(scatter_list, pg, at, what, "scatter_list", "source"), False, what, "scatter_list")
+        dtype = check_dtypes([out, *sources], what)
+        for s in sources:
+            check_numel(s, out.numel, what, "the elements of tensor")
+        copied = overlapping([out, *sources], what) if sources else set()
+        with Staging() as staging:
+            into = staging.slot(out, reads=False)
+            slots = [staging.slot(s, reads=True, private=i + 1 in copied) for i, s in enumerate(sources)]
+            blocks = staging.blocks(slots, writes=False) if sources else None
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, at, dtype=dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iscatterv(None if blocks is None else blocks.spec(), into.spec(), at))
 
-    return run(what, pg, at, (None, dtype, out.layout.nbytes), [tensor], staging.parts, post, async_op, inputs=[tensor])
+    return run(
+        what,
+        pg,
+        at,
+        (None, dtype, out.layout.nbytes),
+        [tensor],
+        staging.parts,
+        post,
+        async_op,
+        inputs=[tensor],
+        call=call,
+    )
 
 
 def _root_list(value: Any, pg: ProcessGroup, at: int, what: str, name: str, role: str) -> list[Any]:
@@ -234,33 +305,38 @@ def reduce_scatter(
 ) -> CollectiveWork | None:
     """Reduce ``input_list[r]`` across the group into rank r's ``output`` (``MPI_Ireduce_scatter_block``)."""
     what = "reduce_scatter"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    red = reductions.canonical(op, what)
-    out = arg(output, True, what, "output")
-    inputs = as_list(input_list, what, "input_list")
-    check_count(inputs, pg, what, "input_list")
-    sources = _args(inputs, False, what, "input_list")
-    plan = reductions.plan(check_dtypes([out, *sources], what), red, what)
-    for s in sources:
-        check_numel(s, out.numel, what, "the elements of output")
-    copied = overlapping([out, *sources], what)
-    size = pg.size()
-    with Staging() as staging:
-        into = staging.slot(out, reads=False)
-        into.reduction(plan, size, reads=False, writes=True)
-        slots = [staging.slot(s, reads=True, private=i + 1 in copied) for i, s in enumerate(sources)]
-        for slot in slots:
-            slot.reduction(plan, size, reads=True, writes=False)
-        blocks = staging.blocks(slots, writes=False, in_order=True)
+    try:
+        red = reductions.canonical(op, what)
+        out = arg(output, True, what, "output")
+        inputs = as_list(input_list, what, "input_list")
+        check_count(inputs, pg, what, "input_list")
+        sources = _args(inputs, False, what, "input_list")
+        plan = reductions.plan(check_dtypes([out, *sources], what), red, what)
+        for s in sources:
+            check_numel(s, out.numel, what, "the elements of output")
+        copied = overlapping([out, *sources], what)
+        size = pg.size()
+        with Staging() as staging:
+            into = staging.slot(out, reads=False)
+            into.reduction(plan, size, reads=False, writes=True)
+            slots = [staging.slot(s, reads=True, private=i + 1 in copied) for i, s in enumerate(sources)]
+            for slot in slots:
+                slot.reduction(plan, size, reads=True, writes=False)
+            blocks = staging.blocks(slots, writes=False, in_order=True)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         receive = into.spec()  # mpi4py counts the send buffer per block too
         requests.append(comm.Ireduce_scatter_block([blocks.buffer, receive[1], plan.datatype], receive, plan.op))
 
     detail = (red.name, plan.dtype, out.layout.nbytes)
-    return run(what, pg, None, detail, [output], staging.parts, post, async_op, inputs=list(input_list))
+    return run(what, pg, None, detail, [output], staging.parts, post, async_op, inputs=list(input_list), call=call)
 
 
 def reduce_scatter_tensor(
@@ -269,27 +345,32 @@ def reduce_scatter_tensor(
     """Reduce ``input`` (the group size times ``output``'s elements) across the group; rank r's ``output`` gets
     block r (``MPI_Ireduce_scatter_block``)."""
     what = "reduce_scatter_tensor"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    red = reductions.canonical(op, what)
-    out = arg(output, True, what, "output")
-    source = arg(input, False, what, "input")
-    plan = reductions.plan(check_dtypes([out, source], what), red, what)
-    check_numel(source, pg.size() * out.numel, what, f"the group size {pg.size()} times the elements of output")
-    copied = overlapping([source, out], what)
-    with Staging() as staging:
-        into = staging.slot(out, reads=False)
-        into.reduction(plan, pg.size(), reads=False, writes=True)
-        mine = staging.slot(source, reads=True, private=0 in copied)
-        mine.reduction(plan, pg.size(), reads=True, writes=False)
+    try:
+        red = reductions.canonical(op, what)
+        out = arg(output, True, what, "output")
+        source = arg(input, False, what, "input")
+        plan = reductions.plan(check_dtypes([out, source], what), red, what)
+        check_numel(source, pg.size() * out.numel, what, f"the group size {pg.size()} times the elements of output")
+        copied = overlapping([source, out], what)
+        with Staging() as staging:
+            into = staging.slot(out, reads=False)
+            into.reduction(plan, pg.size(), reads=False, writes=True)
+            mine = staging.slot(source, reads=True, private=0 in copied)
+            mine.reduction(plan, pg.size(), reads=True, writes=False)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         receive = into.spec()  # mpi4py counts the send buffer per block too
         requests.append(comm.Ireduce_scatter_block([mine.mpi, receive[1], plan.datatype], receive, plan.op))
 
     detail = (red.name, plan.dtype, out.layout.nbytes)
-    return run(what, pg, None, detail, [output], staging.parts, post, async_op, inputs=[input])
+    return run(what, pg, None, detail, [output], staging.parts, post, async_op, inputs=[input], call=call)
 
 
 def all_to_all(
@@ -298,29 +379,45 @@ def all_to_all(
     """Send ``input_tensor_list[r]`` to rank r, receiving rank r's block into ``output_tensor_list[r]``; the sizes
     may differ from rank to rank (``MPI_Ialltoallv``)."""
     what = "all_to_all"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    outputs = as_list(output_tensor_list, what, "output_tensor_list")
-    inputs = as_list(input_tensor_list, what, "input_tensor_list")
-    check_count(outputs, pg, what, "output_tensor_list")
-    check_count(inputs, pg, what, "input_tensor_list")
-    outs = _args(outputs, True, what, "output_tensor_list")
-    sources = _args(inputs, False, what, "input_tensor_list")
-    dtype = check_dtypes([*sources, *outs], what)
-    copied = overlapping([*sources, *outs], what)
-    with Staging() as staging:
-        send = staging.blocks(
-            [staging.slot(s, reads=True, private=i in copied) for i, s in enumerate(sources)], writes=False
-        )
-        into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+    try:
+        outputs = as_list(output_tensor_list, what, "output_tensor_list")
+        inputs = as_list(input_tensor_list, what, "input_tensor_list")
+        check_count(outputs, pg, what, "output_tensor_list")
+        check_count(inputs, pg, what, "input_tensor_list")
+        outs = _args(outputs, True, what, "output_tensor_list")
+        sources = _args(inputs, False, what, "input_tensor_list")
+        dtype = check_dtypes([*sources, *outs], what)
+        copied = overlapping([*sources, *outs], what)
+        with Staging() as staging:
+            send = staging.blocks(
+                [staging.slot(s, reads=True, private=i in copied) for i, s in enumerate(sources)], writes=False
+            )
+            into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = None
+    if state.checked:
+        call = Call(what, dtype=dtype, sends=[a.numel for a in sources], expects=[a.numel for a in outs])
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Ialltoallv(send.spec(), into.spec()))
 
     nbytes = sum(s.layout.nbytes for s in sources)
     return run(
-        what, pg, None, (None, dtype, nbytes), outputs, staging.parts, post, async_op, inputs=list(input_tensor_list)
+        what,
+        pg,
+        None,
+        (None, dtype, nbytes),
+        outputs,
+        staging.parts,
+        post,
+        async_op,
+        inputs=list(input_tensor_list),
+        call=call,
     )
 
 
@@ -335,19 +432,28 @@ def all_to_all_single(
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``), send piece r to rank r, and receive rank
     r's piece into ``output``'s rows as ``output_split_sizes`` say (``MPI_Ialltoallv``)."""
     what = "all_to_all_single"
-    pg = member_group(group, what)
+    pg = collective_group(group, what)
     if pg is None:
         return None
-    out = arg(output, True, what, "output")
-    source = arg(input, False, what, "input")
-    dtype = check_dtypes([out, source], what)
-    row = _row_bytes(out, source, what)
-    sends = _splits(input_split_sizes, source, pg, what, "input_split_sizes")
-    receives = _splits(output_split_sizes, out, pg, what, "output_split_sizes")
-    copied = overlapping([source, out], what)
-    with Staging() as staging:
-        mine = staging.slot(source, reads=True, private=0 in copied)
-        into = staging.slot(out, reads=False)
+    try:
+        out = arg(output, True, what, "output")
+        source = arg(input, False, what, "input")
+        dtype = check_dtypes([out, source], what)
+        row = _row_bytes(out, source, what)
+        sends = _splits(input_split_sizes, source, pg, what, "input_split_sizes")
+        receives = _splits(output_split_sizes, out, pg, what, "output_split_sizes")
+        copied = overlapping([source, out], what)
+        with Staging() as staging:
+            mine = staging.slot(source, reads=True, private=0 in copied)
+            into = staging.slot(out, reads=False)
+    except BaseException as exc:
+        refused(pg, what, exc)
+        raise
+    call = None
+    if state.checked:
+        shape = f"{tuple(out.memory.shape[1:])}"
+        call = Call(what, dtype=dtype, sizes=shape, sends=sends, expects=receives, unit="row")
+
     send_counts = [n * row for n in sends]
     receive_counts = [n * row for n in receives]
 
@@ -360,7 +466,16 @@ def all_to_all_single(
         )
 
     return run(
-        what, pg, None, (None, dtype, source.layout.nbytes), [output], staging.parts, post, async_op, inputs=[input]
+        what,
+        pg,
+        None,
+        (None, dtype, source.layout.nbytes),
+        [output],
+        staging.parts,
+        post,
+        async_op,
+        inputs=[input],
+        call=call,
     )
 
 

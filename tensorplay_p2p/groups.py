@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import operator
+import zlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, cast
@@ -39,7 +41,10 @@ class ProcessGroup:
     Package-internal attributes (read by the other modules, written only here): ``communicator``, the
     intracommunicator (None for a non-member or a destroyed group); ``global_of``, the global rank of each
     group rank; ``group_of``, the group rank of each member's global rank; ``backend``, the torch backend
-    name the group was made with (``get_backend`` answers it; the group runs on MPI whatever it is).
+    name the group was made with (``get_backend`` answers it; the group runs on MPI whatever it is);
+    ``identity``, a number every member computes alike and that tells apart groups of the same ranks (the
+    streams of ``collcheck``'s messages); ``calls``, the collectives this process has called on the group;
+    ``steps``, ``collcheck``'s state while the group needs it (None on the common path: in step, nothing deferred).
     """
 
     proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
@@ -52,9 +57,12 @@ class ProcessGroup:
         "_rank",
         "_size",
         "backend",
+        "calls",
         "communicator",
         "global_of",
         "group_of",
+        "identity",
+        "steps",
     )
 
     def __init__(self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False) -> None:
@@ -67,8 +75,12 @@ class ProcessGroup:
         self.group_of: dict[int, int] = {}
         self._rank = -1
         self._size = -1
+        self.calls = 0
+        self.steps: Any = None
+        self.identity = 0
         if comm is not None:
             self._bind(comm)
+            self.identity = _identity(self.global_of)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -159,6 +171,24 @@ class ProcessGroup:
             return f"ProcessGroup(name={self._name!r}, member=False)"
         state = ", destroyed" if self._destroyed else ""
         return f"ProcessGroup(name={self._name!r}, rank={self._rank}, size={self._size}{state})"
+
+
+_made: Counter[tuple[int, ...]] = Counter()  # groups made in this process, per tuple of global ranks
+
+
+def _identity(ranks: tuple[int, ...]) -> int:
+    """A number for a new group of ``ranks`` that every member computes alike: the ranks, and how many groups of the
+    same ranks this process has made before.  Every member takes part in making each of them, in the same order
+    (making a communicator is collective over its members), so the count agrees where the group names may not
+    (members-only ``new_group`` calls number their groups differently on other ranks)."""
+    _made[ranks] += 1
+    return zlib.crc32(f"{ranks} {_made[ranks]}".encode())
+
+
+def renew_identity(pg: ProcessGroup) -> None:
+    """Give ``pg`` a new ``identity``, as every member does at the same point (``collcheck.forget``), so that records
+    of its old one still in flight never match the new one's."""
+    pg.identity = zlib.crc32(f"{pg.identity} renewed".encode())
 
 
 class GroupMember:

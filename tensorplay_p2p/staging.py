@@ -5,7 +5,9 @@ Each tensor argument is first described and checked (``arg``: kind, dtype, shape
 each one contiguous run of host bytes as ``buffers.place`` decides for a collective: the tensor's own memory
 when it is contiguous host memory (zero-copy), else a pooled buffer packed from a strided tensor or staged
 from a device, copied back at completion.  ``Blocks`` puts several such runs behind one MPI buffer with byte
-displacements (the v-collectives), in place where one span holds them.
+displacements (the v-collectives), in place where one span holds them.  In checked mode a contiguous torch
+tensor is staged too: its storage can be freed under a pending collective (``untyped_storage().resize_(0)``), so
+MPI works on a copy, and the result goes back only into the storage the tensor had when it was posted.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import buffers, devices, layouts, reductions
+from . import buffers, devices, errors, layouts, reductions
+from .errors import CommunicationError
 from .groups import ProcessGroup
+from .runtime import state
 from .validate import resolve_peer
 
 __all__ = [
@@ -227,6 +231,8 @@ def _stage(a: Arg, reads: bool) -> Slot:
     p = buffers.place(m, a.layout, collective=True)
     if p.path == "contiguous":
         data = np.frombuffer(p.spec[0], np.uint8) if p.nbytes else _EMPTY
+        if state.checked and m.kind == "torch tensor" and p.nbytes:
+            return _guarded(a, data, reads)
         return Slot(data, m.keep, None, [])
     host = p.host
     assert host is not None
@@ -248,6 +254,26 @@ def _stage(a: Arg, reads: bool) -> Slot:
         except BaseException:
             slot.release()
             raise
+    return slot
+
+
+def _guarded(a: Arg, own: np.ndarray, reads: bool) -> Slot:
+    """Checked mode: a contiguous torch tensor through a pooled copy, copied back only if its storage is still the
+    one it had (same address and size); else the collective fails, and nothing is written."""
+    tensor = a.memory.array
+    storage = tensor.untyped_storage()
+    posted = (storage.data_ptr(), storage.nbytes())
+    host = devices.packing_pool.take(devices.pageable_host, own.nbytes)
+
+    def copy_out() -> None:
+        now = tensor.untyped_storage()
+        if (now.data_ptr(), now.nbytes()) != posted:
+            raise CommunicationError(errors.freed_storage(a.name, posted, (now.data_ptr(), now.nbytes())))
+        np.copyto(own, host)
+
+    slot = Slot(host, (a.memory.keep, host), copy_out if a.writes else None, [(devices.packing_pool, host)])
+    if reads:
+        np.copyto(host, own)
     return slot
 
 

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.mpi(min_size=1)
 def expected_rows() -> set[tuple[str, str, int]]:
     """(pattern, series, size) for every figure the smoke run must produce at this world size."""
     rows = {("halo2d", series, edge) for series in ("tensorplay", "mpi4py") for edge in (8, 16)}
+    for pattern in bench.COLLECTIVES:  # float32: from 4 bytes; checked mode on for its own series only
+        rows |= {(pattern, s, 1 << k) for s in ("tensorplay", "tensorplay[checked]", "mpi4py") for k in range(2, 7)}
     if SIZE >= 2:
         for pattern in PAIRED:
             exchange_series = ("tensorplay", "tensorplay[isend]", "tensorplay[plan]", "mpi4py")
@@ -35,8 +37,12 @@ def expected_rows() -> set[tuple[str, str, int]]:
 
 
 def test_every_figure_is_finite_and_positive() -> None:
-    config = bench.parse_args([*QUICK, "--patterns", ",".join((*PAIRED, "halo2d")), "--impls", "tensorplay,mpi4py"])
+    ambient = dist.checked_mode()
+    config = bench.parse_args(
+        [*QUICK, "--patterns", ",".join((*PAIRED, "halo2d", "coll")), "--impls", "tensorplay,mpi4py"]
+    )
     results = bench.run(config)
+    assert dist.checked_mode() is ambient, "the checked series leaves the mode as it found it"
     if RANK != 0:
         assert results == []
         return

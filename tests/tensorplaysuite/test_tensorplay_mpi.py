@@ -553,6 +553,29 @@ def test_size_mismatch_raises_and_the_job_goes_on() -> None:
     assert into.tolist() == [PREV + 0.5] * 4
 
 
+def test_all_reduce_whose_sizes_or_dtypes_differ_raises_on_every_rank_in_checked_mode() -> None:
+    """With the package's checked mode on (on every rank), TensorPlay's all_reduce of 10 elements on rank 0 and 12
+    on the others raises on every rank, naming both sizes, and writes nothing; so does float32 against float64. The
+    group then goes on."""
+    needs_peer()
+    ambient = tensorplay_p2p.checked_mode()
+    tensorplay_p2p.runtime.state.checked = True
+    try:
+        sized = full(10 if RANK == 0 else 12, 1.0, tp.float32)
+        by_size = caught(td.all_reduce, sized)
+        typed = full(4, 1.0, tp.float32 if RANK == 0 else tp.float64)
+        by_dtype = caught(td.all_reduce, typed)
+    finally:
+        tensorplay_p2p.runtime.state.checked = ambient
+    after = full(3, 1.0)
+    td.all_reduce(after)
+    assert isinstance(by_size, tensorplay_p2p.CollectiveMismatchError), repr(by_size)
+    assert "global rank 0 passes 10 elements" in str(by_size) and "12 elements" in str(by_size), str(by_size)
+    assert isinstance(by_dtype, tensorplay_p2p.CollectiveMismatchError) and by_dtype.field == "dtype", repr(by_dtype)
+    assert sized.tolist() == [1.0] * (10 if RANK == 0 else 12) and typed.tolist() == [1.0] * 4
+    assert after.tolist() == [float(SIZE)] * 3
+
+
 def test_timeout_names_what_is_pending() -> None:
     """``wait(timeout)`` on a receive nobody has sent to raises CommunicationTimeout naming it; the receive stays
     posted and completes when the message is sent."""
