@@ -44,7 +44,7 @@ static PyObject *dropped, *reap_dropped, *retired, *release_retired;
 static PyObject *world, *group_type, *resolvers, *resolve, *release;
 static PyObject *overlap_error, *failure, *size_error;
 static PyObject *state, *watchdog_dict, *validate_dict, *ndarray;
-static PyObject *request_null, *mpi_exception, *pending_obj, *done_obj, *failed_obj;
+static PyObject *request_null, *mpi_exception, *pending_obj, *done_obj, *failed_obj, *busy_error;
 static PyObject *lean_isend_obj, *lean_irecv_obj;                /* this module's isend / irecv */
 static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
@@ -450,7 +450,12 @@ static int batch_fill(BatchObject *self, Py_ssize_t posted);
 static int
 work_filled(WorkObject *self)
 {
-    return self->owner == NULL ? 0 : batch_fill(self->owner, -1);
+    if (self->owner == NULL)
+        return 0;
+    PyObject *owner = Py_NewRef((PyObject *)self->owner); /* the batch lives until its Works are filled */
+    int r = batch_fill(self->owner, -1);
+    Py_DECREF(owner);
+    return r;
 }
 
 typedef struct {
@@ -461,6 +466,7 @@ typedef struct {
 #define FIELD(f) {"_" #f, offsetof(WorkObject, f)},
 static Field work_field_list[] = {WORK_FIELDS(FIELD)};
 #undef FIELD
+#define WORK_FIELD_COUNT (sizeof work_field_list / sizeof work_field_list[0])
 
 static PyObject *
 work_get(WorkObject *self, void *closure)
@@ -486,18 +492,19 @@ work_set(WorkObject *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyGetSetDef work_getset[sizeof work_field_list / sizeof work_field_list[0] + 1];
+static PyGetSetDef work_getset[WORK_FIELD_COUNT + 1];
 
+/* The fields as attributes: ``_after``, ..., and ``posted`` (public). */
 static void
 work_getset_init(void)
 {
-    size_t n = sizeof work_field_list / sizeof work_field_list[0];
-    for (size_t i = 0; i < n; i++) {
-        int posted = strcmp(work_field_list[i].name, "_posted") == 0;
-        work_getset[i] = (PyGetSetDef){posted ? "posted" : work_field_list[i].name, (getter)work_get,
-                                       (setter)work_set,
-                                       posted ? "When the op was posted (time.monotonic())." : NULL,
-                                       &work_field_list[i]};
+    for (size_t i = 0; i < WORK_FIELD_COUNT; i++) {
+        Field *field = &work_field_list[i];
+        if (strcmp(field->name, "_posted") == 0)
+            field->name = "posted";
+        work_getset[i] = (PyGetSetDef){field->name, (getter)work_get, (setter)work_set,
+                                       i == WORK_FIELD_COUNT - 1 ? "When the op was posted (time.monotonic())." : NULL,
+                                       field};
     }
 }
 
@@ -537,6 +544,13 @@ state_is(PyObject *value, long which)
 static void
 work_finalize(WorkObject *self)
 {
+    if (self->owner != NULL) { /* the GC may finalize a shell of a pending batch before the batch itself */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (work_filled(self) < 0)
+            PyErr_WriteUnraisable(NULL);
+        PyErr_Restore(type, value, tb);
+    }
     if (dropped == NULL || !state_is(self->state, PENDING) || self->request == NULL ||
         !PyObject_TypeCheck(self->request, &PyMPIRequest_Type) ||
         *PyMPIRequest_Get(self->request) == MPI_REQUEST_NULL)
@@ -726,37 +740,83 @@ batch_drop_keeps(BatchObject *self)
         Py_CLEAR(self->info[i].keep);
 }
 
+/* The fields of one op's Work that ``batch_fill`` makes before it changes anything. */
+typedef struct {
+    PyObject *nbytes, *peer, *tag, *source, *request;
+} Made;
+
+static void
+made_clear(Made *made, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_CLEAR(made[i].nbytes);
+        Py_CLEAR(made[i].peer);
+        Py_CLEAR(made[i].tag);
+        Py_CLEAR(made[i].source);
+        Py_CLEAR(made[i].request);
+    }
+}
+
 /* Fill the shells in: each Work gets its op's fields and outcome, a pending one its own request and buffer (the ops
  * from ``posted`` on, when a post failed, were never posted: not pending).  ``posted`` -1: every op.  From here on
- * Python code holds the batch (``_works``). */
+ * Python code holds the batch (``_works``).  All or nothing: everything is made first, and a failure changes
+ * nothing (the shells stay shells, the requests stay here).  The caller holds a reference to the batch: code that
+ * the allocations run (the GC's) may let go of every other one. */
 static int
 batch_fill(BatchObject *self, Py_ssize_t posted)
 {
     if (!self->lean)
         return 0;
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "this BatchWork is being waited on by another thread");
+    if (self->busy) { /* worded by Python */
+        PyObject *error = PyObject_CallNoArgs(busy_error);
+        if (error != NULL)
+            raise_with_cause(error, NULL);
+        return -1;
+    }
+    if (self->group == NULL || self->posted == NULL || self->state == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a field of this BatchWork was deleted");
         return -1;
     }
     Py_ssize_t n = self->n;
     if (posted < 0)
         posted = n;
     int pending = state_is(self->state, PENDING);
-    PyObject *works = PyTuple_New(n);
-    PyObject *global_of = pending ? NULL : PyObject_GetAttr(self->group, s_global_of);
-    if (works == NULL || (!pending && global_of == NULL)) {
-        Py_XDECREF(works);
+    Made small[SMALL], *made = n <= SMALL ? small : PyMem_Calloc(n, sizeof(Made));
+    if (made == NULL) {
+        PyErr_NoMemory();
         return -1;
     }
+    memset(made, 0, n * sizeof(Made));
+    PyObject *works = PyTuple_New(n);
+    PyObject *global_of = pending ? NULL : PyObject_GetAttr(self->group, s_global_of);
+    int failed = works == NULL || (!pending && global_of == NULL);
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        LeanOp *op = &self->info[i];
+        Made *m = &made[i];
+        m->nbytes = PyLong_FromSsize_t(op->nbytes);
+        m->peer = PyLong_FromLong(op->peer);
+        m->tag = PyLong_FromLong(op->tag);
+        m->source = !pending && op->receive ? PySequence_GetItem(global_of, op->peer) : PyLong_FromLong(-1);
+        m->request = pending && i < posted ? PyMPIRequest_New(MPI_REQUEST_NULL) : Py_NewRef(request_null);
+        failed = m->nbytes == NULL || m->peer == NULL || m->tag == NULL || m->source == NULL || m->request == NULL;
+    }
+    Py_XDECREF(global_of);
+    if (failed || !self->lean) { /* an error; or filled meanwhile, by code the allocations ran */
+        made_clear(made, n);
+        Py_XDECREF(works);
+        if (made != small)
+            PyMem_Free(made);
+        return failed ? -1 : 0;
+    }
+    /* from here on nothing allocates, fails or runs Python code until every Work is whole */
     self->lean = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        self->info[i].work->owner = NULL;
-    int failed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         LeanOp *op = &self->info[i];
         WorkObject *w = op->work;
-        PyTuple_SET_ITEM(works, i, Py_NewRef((PyObject *)w));
+        Made *m = &made[i];
         int live = pending && i < posted;
+        w->owner = NULL;
+        PyTuple_SET_ITEM(works, i, Py_NewRef((PyObject *)w));
         w->after = Py_NewRef(Py_None);
         w->exception = Py_NewRef(Py_None);
         w->group = Py_NewRef(self->group);
@@ -764,31 +824,22 @@ batch_fill(BatchObject *self, Py_ssize_t posted)
         w->receive = Py_NewRef(op->receive ? Py_True : Py_False);
         w->state = Py_NewRef(live ? pending_obj : pending ? failed_obj : done_obj);
         w->posted = Py_NewRef(self->posted);
-        w->nbytes = PyLong_FromSsize_t(op->nbytes);
-        w->peer = PyLong_FromLong(op->peer);
-        w->tag = PyLong_FromLong(op->tag);
-        w->source = !pending && op->receive ? PySequence_GetItem(global_of, op->peer) : PyLong_FromLong(-1);
-        w->request = live ? PyMPIRequest_New(self->reqs[i]) : Py_NewRef(request_null);
-        if (live && w->request != NULL)
-            self->reqs[i] = MPI_REQUEST_NULL; /* the Work's request holds it now */
-        if (w->nbytes == NULL || w->peer == NULL || w->tag == NULL || w->source == NULL || w->request == NULL)
-            failed = 1;
+        w->nbytes = m->nbytes;
+        w->peer = m->peer;
+        w->tag = m->tag;
+        w->source = m->source;
+        w->request = m->request;
+        if (live) { /* the Work's request holds it now */
+            *PyMPIRequest_Get(w->request) = self->reqs[i];
+            self->reqs[i] = MPI_REQUEST_NULL;
+        }
+        if (!PyObject_GC_IsTracked((PyObject *)w))
+            PyObject_GC_Track((PyObject *)w); /* a shell, with no references, is not tracked */
     }
-    Py_XDECREF(global_of);
+    if (made != small)
+        PyMem_Free(made);
     Py_XSETREF(self->works, works);
     batch_drop_keeps(self); /* the Works keep them now */
-    if (failed)
-        return -1;
-    PyObject *active = PyDict_GetItemWithError(watchdog_dict, s_active);
-    if (pending && active == Py_True) { /* as Work.__init__ does for a batch's op: the watchdog watches it */
-        PyObject *track = PyDict_GetItemString(watchdog_dict, "track");
-        for (Py_ssize_t i = 0; track != NULL && i < posted; i++) {
-            PyObject *r = PyObject_CallOneArg(track, (PyObject *)self->info[i].work);
-            if (r == NULL)
-                return -1;
-            Py_DECREF(r);
-        }
-    }
     return 0;
 }
 
@@ -817,32 +868,46 @@ new_shell(void)
     if (spare_shells > 0)
         return shells[--spare_shells];
     PyTypeObject *tp = (PyTypeObject *)Work_type;
-    return (WorkObject *)tp->tp_alloc(tp, 0);
+    WorkObject *w = (WorkObject *)tp->tp_alloc(tp, 0);
+    if (w != NULL)
+        PyObject_GC_UnTrack(w); /* no references while a shell: the GC need not see it (filling tracks it) */
+    return w;
 }
 
 /* Before the batch lets go of its Works: shells held elsewhere too are filled in; the others are kept as spares
- * (or die with the batch). */
+ * (untracked by the GC, never finalized) or die with the batch.  Runs in dealloc and tp_clear: the exception being
+ * raised, if any, is kept. */
 static void
 batch_release_works(BatchObject *self)
 {
     if (self->info == NULL)
         return;
+    int shared = 0;
     if (self->lean) {
-        int shared = 0;
         for (Py_ssize_t i = 0; i < self->n && !shared; i++)
             shared = Py_REFCNT(self->info[i].work) > batch_references(self, i);
-        if (shared && batch_fill(self, -1) < 0)
-            PyErr_WriteUnraisable((PyObject *)self);
-        for (Py_ssize_t i = 0; i < self->n; i++) {
-            WorkObject *w = self->info[i].work;
-            w->owner = NULL;
-            if (self->lean && spare_shells < SHELLS && Py_TYPE(w) == (PyTypeObject *)Work_type) {
-                shells[spare_shells++] = w; /* this reference moves there; the list's go with the list */
-                self->info[i].work = NULL;
-            }
+        if (shared) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (batch_fill(self, -1) < 0)
+                PyErr_WriteUnraisable(NULL);
+            PyErr_Restore(type, value, tb);
         }
-        self->lean = 0;
     }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        WorkObject *w = self->info[i].work;
+        if (w == NULL)
+            continue;
+        if (self->lean && !shared && w->owner == self && spare_shells < SHELLS &&
+            Py_TYPE(w) == (PyTypeObject *)Work_type && !PyObject_GC_IsFinalized((PyObject *)w)) {
+            if (PyObject_GC_IsTracked((PyObject *)w))
+                PyObject_GC_UnTrack(w);
+            shells[spare_shells++] = w; /* this reference moves there; the list's go with the list */
+            self->info[i].work = NULL;
+        }
+        w->owner = NULL;
+    }
+    self->lean = 0;
     for (Py_ssize_t i = 0; i < self->n; i++)
         Py_CLEAR(self->info[i].work);
 }
@@ -1651,7 +1716,8 @@ setup_work(PyObject *module, PyObject *args, PyObject *kwargs)
         take(kwargs, "work_wait", &ref_work_wait) || take(kwargs, "batch_wait", &ref_batch_wait) ||
         take(kwargs, "dropped", &dropped) || take(kwargs, "reap_dropped", &reap_dropped) ||
         take(kwargs, "watchdog", &watchdog_dict) || take(kwargs, "request_null", &request_null) ||
-        take(kwargs, "pending", &pending_obj) || take(kwargs, "done", &done_obj) || take(kwargs, "failed", &failed_obj))
+        take(kwargs, "pending", &pending_obj) || take(kwargs, "done", &done_obj) || take(kwargs, "failed", &failed_obj) ||
+        take(kwargs, "busy_error", &busy_error))
         return NULL;
     if (!PyList_CheckExact(dropped) || !PyDict_Check(watchdog_dict) || !PyType_Check(Work_type) ||
         !PyType_IsSubtype((PyTypeObject *)Work_type, &WorkBase_Type) || !PyType_Check(Batch_type) ||

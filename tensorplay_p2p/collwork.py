@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from mpi4py import MPI
 
@@ -165,7 +165,7 @@ class CollectiveWork:
 
     def __del__(self) -> None:
         if self._state == _PENDING or self._state == _DEFERRED:
-            cast("list[Any]", work.dropped).append(self)  # kept alive until MPI is done with its buffers
+            work.dropped.append(self)  # kept alive until MPI is done with its buffers
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the collective completes (at most ``timeout``); raise its error if it failed. Returns True."""

@@ -20,6 +20,7 @@ __all__ = [
     "DistStoreError",
     "MessageMismatchError",
     "MessageSizeError",
+    "batch_busy",
     "batch_failures",
     "collective_failure",
     "collective_hint",
@@ -230,6 +231,15 @@ def hook_error(description: str, receive: bool, exc: BaseException) -> Communica
     )
     error.__cause__ = exc
     return error
+
+
+def batch_busy() -> RuntimeError:
+    """A batch's works were looked at from a thread while another thread waits on the batch in the compiled engine
+    (MPI forbids two threads to use one request at once)."""
+    return RuntimeError(
+        "this BatchWork is being waited on by another thread: look at its works after that wait() returns (MPI does "
+        "not allow two threads to use the same request at once)"
+    )
 
 
 def batch_failures(failed: list[CommunicationError]) -> CommunicationError:

@@ -112,15 +112,15 @@ def _run_after(after: Any, receipt: Receipt, error: CommunicationError | None) -
 # until it completes, so MPI never writes into freed memory, and then finished like any other:
 # a staged or packed receive is copied out, pooled buffers and checked-mode datatypes released.
 
-dropped: list[Work | BatchWork] = []  # package-internal: the handles kept alive, read by the posting calls
+dropped: list[Any] = []  # package-internal: the handles kept alive (Works, collectives), read by the posting calls
 _dropped_lock = threading.Lock()
 
 
 def reap_dropped() -> None:
     """Finish dropped handles that have completed since; a failure is reported as a warning."""
     with _dropped_lock:
-        kept = list(dropped)
-        dropped.clear()
+        kept = dropped[:]
+        del dropped[: len(kept)]  # a finalizer run meanwhile (by the copy's allocation) may have appended one
     alive = []
     for handle in kept:
         if not handle.test():
@@ -619,6 +619,7 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
     def _raise_failures(self) -> None:
         failed = [e for w in self._works if (e := w._exception) is not None]
         if failed:
+            self._state = _FAILED
             raise errors.batch_failures(failed)
 
 
@@ -633,6 +634,7 @@ if engine.accel is not None:  # the compiled engine: the same wait() made lean, 
         batch_wait=engine.hand_over(BatchWork, "wait"),
         dropped=dropped,
         reap_dropped=reap_dropped,
+        busy_error=errors.batch_busy,
         watchdog=vars(watchdog),
         request_null=_REQUEST_NULL,
         pending=_PENDING,

@@ -7,8 +7,15 @@ every rank reaches the same calls, so a failure on one rank fails the test inste
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -214,3 +221,139 @@ def test_a_pending_batch_is_described_without_taking_it_over() -> None:
     dist.isend(np.full(2, 5.0), NEXT, tag=19).wait()
     assert batch.wait() and batch.pending_lines(batch.posted) == [] and batch._lean is None
     np.testing.assert_array_equal(into, np.full(2, 5.0))
+
+
+@contextlib.contextmanager
+def _collecting_at_every_allocation() -> Iterator[None]:
+    """The GC runs at (nearly) every allocation: standing for its count running out at an unlucky moment."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+
+
+def _self_batch(buffers: list[np.ndarray], tag: int) -> dist.BatchWork:
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, RANK, tag=tag + i) for i, x in enumerate(buffers)])
+
+
+def _send_to_self(value: float, size: int, tag: int, count: int = 1) -> None:
+    for i in range(count):
+        dist.isend(np.full(size, value), RANK, tag=tag + i).wait()
+
+
+def test_a_batch_the_gc_collects_while_one_of_its_works_is_read() -> None:
+    """A program that kept a batch's works and lost the batch to cyclic garbage: reading a work fills them, and the
+    allocations of the filling may run the GC, which must not free the batch under it."""
+    kept: list[dist.Work] = []
+    buffers = [np.zeros(2) for _ in range(6)]
+
+    def step() -> None:
+        reqs = _self_batch(buffers, tag=40)
+        kept.extend(reqs)
+        try:
+            raise ValueError
+        except ValueError as exc:
+            cycle = exc  # the frame and the traceback hold each other: the batch now dies with the GC only
+            assert cycle
+
+    gc.disable()
+    try:
+        step()
+        with _collecting_at_every_allocation():
+            gc.enable()
+            assert kept[0]._state == 0  # pending
+    finally:
+        gc.enable()
+    _send_to_self(3.0, 2, tag=40, count=6)
+    assert all(w.wait() for w in kept)
+    assert all((b == 3.0).all() for b in buffers)
+
+
+def test_a_finalizer_that_reads_a_work_while_its_batch_is_filled() -> None:
+    buffers = [np.zeros(2) for _ in range(21)]  # more works than tuples kept for reuse: filling allocates
+    batch = _self_batch(buffers, tag=50)
+    first = batch[0]
+    seen: list[int] = []
+
+    class Reader:
+        me: Any
+
+        def __del__(self) -> None:
+            seen.append(first._state)
+
+    gc.disable()
+    try:
+        reader = Reader()
+        reader.me = reader
+        del reader
+        with _collecting_at_every_allocation():
+            gc.enable()
+            works = batch._works
+    finally:
+        gc.enable()
+    gc.collect()  # the pure-Python engine allocates nothing to fill: the reader is collected here
+    assert seen == [0] and len(works) == 21 and first._state == 0 and not first.test()
+    _send_to_self(5.0, 2, tag=50, count=21)
+    assert batch.wait() and all((b == 5.0).all() for b in buffers)
+
+
+def test_a_pending_batch_dropped_in_cyclic_garbage_keeps_its_buffer() -> None:
+    """However the GC orders the finalizers of a batch and its works (spare works made earlier come first), the
+    pending op is kept with its buffer, and its message lands there and nowhere else."""
+    done = _self_batch([np.zeros(2)], tag=60)
+    _send_to_self(1.0, 2, tag=60)
+    assert done.wait()
+    cycle: list[Any] = [done]
+    cycle.append(cycle)
+    del done, cycle
+    gc.collect()  # a completed batch that dies as garbage: its works must not become spares that the GC finalized
+    into = np.zeros(1000)
+    alive = weakref.ref(into)
+    pending = _self_batch([into], tag=61)
+    cycle = [pending]
+    cycle.append(cycle)
+    del into, pending, cycle
+    gc.collect()
+    assert alive() is not None and len(work.dropped) == 1
+    dropped_plainly = _self_batch([np.zeros(1000)], tag=62)
+    del dropped_plainly
+    others = [np.zeros(1000) for _ in range(20)]
+    _send_to_self(7.0, 1000, tag=61, count=2)
+    for _ in range(1000):
+        work.reap_dropped()
+        if not work.dropped:
+            break
+    assert not work.dropped and not any((o == 7.0).any() for o in others)
+
+
+def test_works_read_while_another_thread_waits_on_their_batch() -> None:
+    """MPI forbids two threads to use one request at once: the compiled engine says so, in Python's words, where the
+    batch's works are read while another thread waits on it; a report of what it waits for still reads it."""
+    into = np.zeros(2)
+    batch = _self_batch([into], tag=70)
+    waiter = threading.Thread(target=batch.wait)
+    waiter.start()
+    time.sleep(0.1)
+    try:
+        if engine.accel is not None and not dist.checked_mode():
+            with pytest.raises(RuntimeError, match="being waited on by another thread"):
+                _ = batch[0]._state
+        assert len(batch.pending_lines(time.monotonic())) == 1
+    finally:
+        _send_to_self(2.0, 2, tag=70)
+        waiter.join()
+    assert (into == 2.0).all() and batch[0].source_rank() == RANK
+
+
+def test_a_batch_whose_field_was_deleted_raises_instead_of_crashing() -> None:
+    batch = _self_batch([np.zeros(2)], tag=71)
+    _send_to_self(1.0, 2, tag=71)
+    assert batch.wait()
+    del batch.posted
+    if engine.accel is not None and not dist.checked_mode():  # its works are filled from the batch's fields
+        with pytest.raises(AttributeError, match="deleted"):
+            _ = batch[0]._state
+    else:
+        assert batch[0].is_success()
