@@ -42,7 +42,8 @@ def test_a_send_receive_or_batch_needs_its_peers() -> None:
     batch = dist.batch_isend_irecv([dist.P2POp(dist.irecv, ins[2], PREV, tag=33)])
     materialized = dist.batch_isend_irecv([dist.P2POp(dist.irecv, ins[3], PREV, tag=34)])
     first = materialized[0]
-    assert not first.is_completed() and materialized._lean is None  # read: the batch's ops are its Works from here on
+    assert f"irecv from rank {PREV}" in first.describe()  # read: the batch's ops are its Works from here on
+    assert materialized._lean is None
     previous = _or_none(EVERY, frozenset({PREV}) - {RANK})
     assert needs(receive, RANK) == previous
     assert needs(anyone, RANK) == _or_none(EVERY, OTHERS)
