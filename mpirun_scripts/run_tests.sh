@@ -218,7 +218,13 @@ import glob, sys
 import xml.etree.ElementTree as ET
 passed = failed = skipped = 0
 for path in glob.glob(sys.argv[1] + "/*.xml"):
-    for suite in ET.parse(path).getroot().iter("testsuite"):
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:  # a report pytest could not write whole: its run failed, and says so above
+        print(f"{path}: unreadable report ({exc})")
+        failed += 1
+        continue
+    for suite in root.iter("testsuite"):
         tests, errors, fails, skips = (int(suite.get(k, 0)) for k in ("tests", "errors", "failures", "skipped"))
         passed += tests - errors - fails - skips
         failed += errors + fails

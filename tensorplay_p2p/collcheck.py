@@ -2,33 +2,38 @@
 
 MPI matches a communicator's collectives by their order alone, and trusts every member's arguments: a member that
 passes other sizes, another dtype or another root gets wrong numbers, and a member that skips a collective makes
-its next one match the others' skipped one.  Two mechanisms guard against that, both off the common path (a
-collective counts itself in ``ProcessGroup.calls``, tests ``ProcessGroup.steps`` and ``runtime.state.checked``,
-and goes on):
+its next one match the others' skipped one.  Two mechanisms guard against that.  Both run at the call, before the
+collective is posted, so that a call that returns has posted its collective, in the order of the calls as MPI
+requires, and nothing is ever held back to be posted later.  Neither is on the common path: a collective counts
+itself on its group (``ProcessGroup.calls``), tests ``ProcessGroup.steps`` and ``runtime.state.checked``, and
+goes on.
 
-* **Checked mode.**  Before a collective is posted, every member sends every other member a fixed-size record of
-  its call (the collective, root, reduce op, dtype, element counts, and for the all-to-alls what it sends to and
-  expects from that member).  Each member compares the records the same way, so they all reach the same verdict:
-  a collective whose records disagree is posted by no member, and each raises ``CollectiveMismatchError`` naming
-  what differed and each member's value.  A member whose call is refused by its own argument checks still sends a
-  record, marked refused, so the others raise too, naming it.  Only the all-to-alls' split sizes can disagree in a
-  way a member does not see in the records it got (between two other members); the records carry a weighted sum
-  that tells every member alike whether some pair disagrees, and a second round then names the pair.
-* **After a refused collective** (outside checked mode).  A collective that one member refused may be posted on
-  the others.  The refusing member counts the refused call (``refused``); before its next collective of the group
-  is posted, the members that refused calls exchange the lists of calls they refused.  Members that all refused
-  the same calls are in step again at once.  If another member did not refuse it, that member's collective is
-  posted and waits (its timeout or the watchdog reports it), and the refusing member waits here, never posting a
-  collective that would match the other's: wrong numbers are never produced.  Members that refused different
-  calls are out of step for good: every later collective of the group raises.  A member that never made the
-  refused call cannot be told from one that posted it, so it is waited for too; ``forget`` is for a caller that
-  knows, on every member, that nothing is left posted.
+* **Checked mode.**  Before a collective is posted, the members exchange a fixed-size record of their calls (the
+  collective, root, reduce op, dtype, element counts, and for the all-to-alls what each sends to and expects from
+  the receiving member) with one ``MPI_Ialltoall`` on the group's own communicator: one more collective of the
+  group, matched in order like the others.  Every member compares the same records, so they all reach the same
+  verdict: a collective whose records disagree is posted by no member, and each raises ``CollectiveMismatchError``
+  naming what differed and each member's value.  A member whose call is refused by its own argument checks takes
+  part all the same, with a record marked refused, so the others raise too, naming it.  Only the all-to-alls'
+  split sizes can disagree in a way a member does not see in the records it got (between two other members); the
+  records carry a weighted sum that tells every member alike whether some pair disagrees, and only then does a
+  second round (``MPI_Iallgather``) name the pair.  Every member of a group must run in checked mode, or none: a
+  member that does not would post its collective where the others exchange records.
+* **After a refused collective.**  A collective that one member refused (outside checked mode, or where MPI refused
+  to post it after the records agreed) may be posted on the others.  The refusing member notes the call
+  (``mark_refused``).  At its next collective of the group, before anything else, it sends every other member the
+  list of the calls it refused and waits for theirs, point to point on a duplicate of the world communicator of
+  the package's own, under a tag of the group's (``ProcessGroup.identity``).  Members that all refused the same
+  calls are in step again.  A member that did not refuse the call has posted it and waits in it (its report says
+  so) and sends no list: the refusing member waits here too, and never posts a collective that would match the
+  other's.  Members that refused different calls are out of step for good: every later collective of the group
+  raises, naming them; a new group (``new_group``) starts in step.
 
-Both defer the collective: its handle (``collwork.CollectiveWork``) is queued on the group, the call returns, and
-the handle is posted once its gates have passed, in the order of the calls.  Whatever tests the group's handles
-(their ``wait`` and ``test``, the next call on the group, the reaping of dropped handles) moves the queue on.  The
-records are point-to-point messages on a duplicate of the world communicator of their own, in streams of tags per
-group (``ProcessGroup.identity``), so they never match a collective or a message of the program's.
+The waits of both are waits of the collective (``Gate``): the watchdog, Ctrl-C and SIGTERM, and the departure watch
+see them and name them.  A group's ``lock`` keeps each thread's check and the post it allows together, so that
+threads calling collectives of one group never interleave a record with a collective.  ``forget`` is for a caller
+that knows, at the same point on every member, that none of the group's collectives is left posted (a test harness
+between tests).
 """
 
 from __future__ import annotations
@@ -37,31 +42,27 @@ import atexit
 import os
 import threading
 import time
-import weakref
 import zlib
-from collections import deque
-from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from . import errors, groups, signals
+from . import errors, groups, signals, watchdog, work
 from .errors import CommunicationError
 from .groups import ProcessGroup
 from .runtime import state, tag_upper_bound
 from .validate import member_group
 
-__all__ = ["Call", "Entry", "advance", "collective_group", "defer", "forget", "mark_refused", "refused"]
+__all__ = ["Call", "Gate", "agree", "catch_up", "collective_group", "forget", "mark_refused", "refused"]
 
-# The records travel on a communicator of their own: a duplicate of the world, made at import, which every rank
-# reaches (a duplicate made at a first use would block the members that got there until the others came).
+# The lists of refused calls travel on a communicator of their own: a duplicate of the world, made at import, which
+# every rank reaches (a duplicate made at a first use would block the members that got there until the others came).
 _COMM = MPI.COMM_WORLD.Dup()
 _COMM.Set_errhandler(MPI.ERRORS_RETURN)
 _COMM.Set_name("tensorplay_p2p collective checks")
-_STREAMS = 4  # tag streams per group: the records, the pairs' round, the reconciliations
-_RECORDS, _PAIRS, _RECONCILE = 0, 1, 2
-_SLOTS = max(1, (tag_upper_bound() + 1) // _STREAMS)
+_TAGS = tag_upper_bound() + 1
 _Testall = MPI.Request.Testall
 _Waitall = MPI.Request.Waitall
 _yield = os.sched_yield
@@ -81,10 +82,10 @@ _RECORD = np.dtype(
         ("sizes", "S48"),  # the coalesced tensors' element counts, or all_to_all_single's row shape (shown)
         ("digest", "<u4"),  # crc32 of the whole of ``sizes`` (compared)
         ("note", "S240"),  # a refused call: its error
-        ("sends", "<i8"),  # all-to-alls: what this member sends to the receiving one
-        ("expects", "<i8"),  # and what it expects from it
         ("sent", "<u8"),  # all-to-alls: a weighted sum of what it sends to each member
         ("expected", "<u8"),  # and of what it expects from each
+        ("sends", "<i8"),  # all-to-alls: what this member sends to the receiving one
+        ("expects", "<i8"),  # and what it expects from it
     ]
 )
 _HEAD = int(dict(_RECORD.fields or {})["sends"][1])  # bytes of the head
@@ -108,96 +109,143 @@ class Call(NamedTuple):
     unit: str = "element"
 
 
-class Handle(Protocol):
-    """What the queue needs of a collective's handle."""
-
-    def post_deferred(self) -> None:
-        """Post the collective: its gates have passed."""
-
-    def fail_deferred(self, error: CommunicationError) -> None:
-        """Settle it, unposted, with ``error``."""
-
-    def pending_lines(self, now: float) -> list[str]:
-        """What it waits for."""
-        ...
-
-
-# --- a group's state off the common path ------------------------------------------------------------
-
-
 class _Steps:
-    """A group's queue of deferred collectives, the calls refused since the last reconciliation, and whether the
-    members fell out of step for good."""
+    """A group off the common path: the calls this member refused since the last reconciliation, or why the
+    members are out of step for good."""
 
-    __slots__ = ("__weakref__", "broken", "lock", "queue", "refused")
+    __slots__ = ("broken", "refused")
 
     def __init__(self) -> None:
         self.refused: list[tuple[int, str]] = []
-        self.queue: deque[Entry] = deque()
-        self.broken: dict[int, str] | None = None
-        self.lock = threading.Lock()
-
-
-_groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()  # the groups with a state, for the exit's last moves
+        self.broken: str | None = None
 
 
 def _steps(pg: ProcessGroup) -> _Steps:
     steps = pg.steps
     if steps is None:
         steps = pg.steps = _Steps()
-        _groups.add(pg)
     assert isinstance(steps, _Steps)
     return steps
 
 
-def _idle(pg: ProcessGroup) -> None:
-    """Back to the common path when nothing is left to do."""
-    steps = pg.steps
-    if steps is not None and not steps.queue and not steps.refused and steps.broken is None:
-        pg.steps = None
+# --- the waits ------------------------------------------------------------------------------------------
 
 
-def _tag(pg: ProcessGroup, stream: int) -> int:
-    return (pg.identity % _SLOTS) * _STREAMS + stream
+class Gate:
+    """The messages of one check in flight, waited for at the call like a collective: the watchdog tracks it, and
+    signals and the departure watch read it through the fields a collective's handle declares (``_group``,
+    ``_root``, ``_state``, ``posted``)."""
+
+    __slots__ = ("__weakref__", "_group", "_root", "_state", "described", "posted", "reason", "what")
+
+    def __init__(self, pg: ProcessGroup, what: str, described: str, reason: str) -> None:
+        self._group = pg
+        self._root = None  # every member takes part: it needs them all
+        self._state = 0  # pending
+        self.posted = time.monotonic()
+        self.what = what
+        self.described = described  # the collective it holds back, as its handle describes it
+        self.reason = reason
+
+    def wait(self, requests: list[MPI.Request], limit: float | None) -> None:
+        """Block until ``requests`` complete (at most ``limit`` seconds: CommunicationTimeout)."""
+        if watchdog.active:
+            watchdog.track(self)
+        try:
+            if limit is not None:
+                work.poll(lambda: bool(_Testall(requests)), limit, self._still_pending(requests), f"{self.what}: ")
+            elif state.oversubscribed:
+                while not _Testall(requests):
+                    _yield()
+            else:
+                _Waitall(requests)
+        except MPI.Exception as exc:
+            raise CommunicationError(
+                f"{self.what} on {self._group.describe()}: the collective checks' messages failed",
+                op=self.what,
+                mpi_error=exc.Get_error_string().strip(),
+            ) from exc
+        finally:
+            self._state = 1
+            if watchdog.active:
+                watchdog.untrack(self)
+
+    def _still_pending(self, requests: list[MPI.Request]) -> Callable[[float], list[str]]:
+        """At the deadline: the lines, unless the requests completed meanwhile."""
+        return lambda now: [] if _Testall(requests) else self.pending_lines(now)
+
+    def pending_lines(self, now: float) -> list[str]:
+        """For the watchdog, signals and timeouts: the check, while it waits."""
+        if self._state:
+            return []
+        return [errors.unposted_line(f"{self.described}, pending for {now - self.posted:.1f} s", self.reason)]
 
 
-def _exchange(pg: ProcessGroup, stream: int, outgoing: np.ndarray, incoming: np.ndarray) -> list[MPI.Request]:
-    """Send ``outgoing[j]`` (or ``outgoing`` whole, when it is one record) to each other member j and receive member
-    j's into ``incoming[j]``; the requests (receives first)."""
-    tag, me, requests = _tag(pg, stream), pg.rank(), []
-    try:
-        for j, peer in enumerate(pg.global_of):
-            if j != me:
-                requests.append(_COMM.Irecv([incoming[j : j + 1], MPI.BYTE], peer, tag))
-        for j, peer in enumerate(pg.global_of):
-            if j != me:
-                record = outgoing if outgoing.shape == () else outgoing[j : j + 1]
-                requests.append(_COMM.Isend([record, MPI.BYTE], peer, tag))
-    except MPI.Exception as exc:
-        for request in requests:  # receives are withdrawn; a send that went out cannot be: it is kept
-            if request and not request.Test():
-                request.Cancel()
-        _parked.append((requests, (outgoing, incoming)))
-        raise CommunicationError(
-            f"checked collectives: posting a record for {pg.describe()} failed", mpi_error=exc.Get_error_string()
-        ) from exc
-    return requests
+signals.register_wait(Gate.wait, lambda scope, now: scope["self"].pending_lines(now))
 
 
-# Requests whose result nobody waits for (a refused call's records, in checked mode), with their buffers: kept until
-# they complete, so that the records of a stream keep their order.
-_parked: list[tuple[list[MPI.Request], Any]] = []
+# Requests of a check that failed or was interrupted, with their buffers and their group: kept until they complete.
+# ``on_group``: a collective on the group's own communicator (checked mode's records), which a later collective of
+# the group would match while it is pending.  Threads park and reap at once: the list is changed under a lock.
+class _Parked(NamedTuple):
+    pg: ProcessGroup
+    on_group: bool
+    requests: list[MPI.Request]
+    buffers: Any
+
+
+_parked: list[_Parked] = []
+_parked_lock = threading.Lock()
+
+
+def _park(pg: ProcessGroup, on_group: bool, requests: list[MPI.Request], buffers: Any) -> None:
+    with _parked_lock:
+        _parked.append(_Parked(pg, on_group, requests, buffers))
 
 
 def _reap_parked() -> None:
-    kept = []
-    for requests, buffers in _parked:
-        try:
-            if not _Testall(requests):
-                kept.append((requests, buffers))
-        except MPI.Exception:
-            pass  # a failed record: nothing more will use its buffers
-    _parked[:] = kept
+    with _parked_lock:
+        kept = []
+        for entry in _parked:
+            try:
+                if not _Testall(entry.requests):
+                    kept.append(entry)
+            except MPI.Exception:
+                if any(entry.requests):  # some still active: MPI may still use the buffers
+                    kept.append(entry)
+        _parked[:] = kept
+
+
+def _pending_on(pg: ProcessGroup) -> bool:
+    """Whether a collective of a check is still pending on ``pg``'s own communicator here."""
+    _reap_parked()
+    with _parked_lock:
+        return any(entry.pg is pg and entry.on_group for entry in _parked)
+
+
+class _Check(NamedTuple):
+    """The call a check holds back: its group, its name, its handle's description, and how long to wait."""
+
+    pg: ProcessGroup
+    what: str
+    described: str
+    limit: float | None  # seconds: the call's timeout, else the group's (init_process_group), else none
+
+    def wait(self, reason: str, requests: list[MPI.Request]) -> None:
+        """Wait for the check's ``requests`` (the caller parks them if this raises)."""
+        Gate(self.pg, self.what, self.described, reason).wait(requests, self.limit)
+
+
+def _check(pg: ProcessGroup, what: str, described: str | None, timeout: float | None) -> _Check:
+    limit = timeout if timeout is not None else state.timeout
+    return _Check(pg, what, described or f"{what} on {pg.describe()}", limit)
+
+
+def _break(pg: ProcessGroup, why: str) -> None:
+    """The members of ``pg`` are out of step for good, because ``why``."""
+    steps = _steps(pg)
+    steps.refused = []
+    steps.broken = why
 
 
 # --- the records of checked mode ------------------------------------------------------------------------
@@ -238,10 +286,10 @@ def _records(pg: ProcessGroup, call: Call | None, what: str, note: str) -> np.nd
         sizes[:48],
         zlib.crc32(sizes),
         b"",
-        0,
-        0,
         sent,
         expected,
+        0,
+        0,
     )
     out = np.array([head] * pg.size(), _RECORD)
     if call.sends:
@@ -267,7 +315,7 @@ def _show(field: str, record: np.void, pg: ProcessGroup) -> str:
 def _compare(pg: ProcessGroup, what: str, got: np.ndarray) -> CommunicationError | bool | None:
     """The verdict on the records ``got`` (member j's in ``got[j]``; this member's call is ``what``): an error,
     None when they agree, or True when only a round of the pairs can tell (an all-to-all whose sums say some pair
-    disagrees)."""
+    disagrees).  Every member reaches the same one: it reads only the heads, which are alike in a member's records."""
     heads = got.view(np.uint8).reshape(len(got), _RECORD.itemsize)[:, :_HEAD]
     if not heads[0, 0] and (heads == heads[0]).all():  # the common case: every head alike, none refused
         return _pairs(got) if what in _PER_PAIR else None
@@ -298,76 +346,92 @@ def _pairs(got: np.ndarray) -> bool | None:
     return True if sent != expected else None
 
 
-# --- gates: what must pass before a deferred collective is posted -----------------------------------------
+def _exchange_records(check: _Check, outgoing: np.ndarray) -> np.ndarray:
+    """One round of records on the group's communicator: member j's record for this member, in row j."""
+    got = np.zeros(check.pg.size(), _RECORD)
+    reason = (
+        "checked mode: waiting for every member's record of its call (every member of the group must call "
+        f"{check.what}, with matching arguments)"
+    )
+    _round(check, reason, lambda comm: comm.Ialltoall([outgoing, MPI.BYTE], [got, MPI.BYTE]), (outgoing, got))
+    return got
 
 
-class _Gate:
-    """Messages that must complete, then a verdict on them."""
+def _round(
+    check: _Check, reason: str, post: Callable[[MPI.Intracomm], MPI.Request], buffers: tuple[np.ndarray, ...]
+) -> None:
+    """One collective of checked mode on the group's own communicator: posted, then waited for; if the wait does
+    not end well, its request is kept with ``buffers`` until it completes."""
+    pg = check.pg
+    try:
+        request = post(pg.live_comm(check.what))
+    except MPI.Exception as exc:
+        raise CommunicationError(
+            f"{check.what} on {pg.describe()}: posting checked mode's records failed",
+            op=check.what,
+            mpi_error=exc.Get_error_string(),
+        ) from exc
+    try:
+        check.wait(reason, [request])
+    except BaseException:
+        _park(pg, True, [request], buffers)
+        raise
 
-    requests: list[MPI.Request]  # the receives first, then the sends
-    receives: int = 0
 
-    def judge(self) -> CommunicationError | bool | None:
-        """The verdict once the requests completed: an error, None (passed), or True (more requests were posted)."""
-        raise NotImplementedError
+def _name_pair(check: _Check, call: Call, got: np.ndarray) -> CommunicationError | None:
+    """The all-to-alls' second round: each member names the first member whose sends to it differ from what it
+    expects; the first such pair, alike on every member (None if the sums were fooled)."""
+    pg, what = check.pg, check.what
+    mine = np.zeros(1, _PAIR)
+    me = pg.rank()
+    for j in range(pg.size()):
+        sends, expects = int(got["sends"][j]), int(call.expects[j])
+        if sends != expects:
+            mine[0] = (1, j, me, sends, expects)
+            break
+    pairs = np.zeros(pg.size(), _PAIR)
+    reason = "checked mode: the members' split sizes disagree; every member names the pair"
+    _round(check, reason, lambda comm: comm.Iallgather([mine, MPI.BYTE], [pairs, MPI.BYTE]), (mine, pairs))
+    found = np.flatnonzero(pairs["found"])
+    if not found.size:
+        return None
+    first = pairs[found[0]]
+    sender, receiver = pg.global_of[int(first["sender"])], pg.global_of[int(first["receiver"])]
+    return errors.collective_pair(
+        what, pg.describe(), call.unit, sender, receiver, int(first["sends"]), int(first["expects"])
+    )
 
-    def reason(self, entry: Entry) -> str:
-        """What it waits for, for the pending lines."""
-        raise NotImplementedError
+
+def agree(pg: ProcessGroup, what: str, call: Call, described: str, timeout: float | None = None) -> None:
+    """Checked mode, before posting ``call`` of ``what`` on ``pg`` (two members or more; ``described`` is its
+    handle's description; the caller holds ``pg.lock`` until it has posted): raise CollectiveMismatchError, on every
+    member alike, if the members' records disagree.  The wait is bounded by ``timeout``, else by the group's timeout
+    (``init_process_group``).  If the exchange fails, times out or is interrupted, the other members may go on
+    without this one: the group is out of step from here on."""
+    check = _check(pg, what, described, timeout)
+    try:
+        got = _exchange_records(check, _records(pg, call, what, ""))
+        verdict = _compare(pg, what, got)
+        if verdict is True:
+            verdict = _name_pair(check, call, got)
+    except BaseException as exc:
+        _break(pg, f"checked mode's records of its collective #{pg.calls} ({what}) did not complete here ({exc!r})")
+        raise
+    if verdict is not None:
+        assert isinstance(verdict, CommunicationError)
+        raise verdict
 
 
-class _Records(_Gate):
-    """Checked mode: every member's record of the call, compared alike on every member."""
-
-    def __init__(self, pg: ProcessGroup, what: str, call: Call) -> None:
-        self.pg, self.what, self.call = pg, what, call
-        self.outgoing = _records(pg, call, what, "")
-        self.got = np.zeros(pg.size(), _RECORD)
-        self.got[pg.rank()] = self.outgoing[pg.rank()]
-        self.requests = _exchange(pg, _RECORDS, self.outgoing, self.got)
-        self.receives = pg.size() - 1
-        self.pairs: np.ndarray | None = None
-
-    def judge(self) -> CommunicationError | bool | None:
-        pg = self.pg
-        if self.pairs is None:
-            verdict = _compare(pg, self.what, self.got)
-            if verdict is not True:
-                return verdict
-            mine = np.zeros((), _PAIR)  # the first member whose sends to this one differ from what it expects
-            me = pg.rank()
-            for j in range(pg.size()):
-                sends, expects = int(self.got["sends"][j]), int(self.call.expects[j])
-                if sends != expects:
-                    mine[()] = (1, j, me, sends, expects)
-                    break
-            self.pairs = np.zeros(pg.size(), _PAIR)
-            self.pairs[me] = mine
-            self.requests = _exchange(pg, _PAIRS, mine, self.pairs)
-            return True
-        found = np.flatnonzero(self.pairs["found"])
-        if not found.size:  # the sums were fooled: no member saw a pair that disagrees
-            return None
-        first = self.pairs[found[0]]
-        sender, receiver = pg.global_of[int(first["sender"])], pg.global_of[int(first["receiver"])]
-        return errors.collective_pair(
-            self.what, pg.describe(), self.call.unit, sender, receiver, int(first["sends"]), int(first["expects"])
-        )
-
-    def reason(self, entry: Entry) -> str:
-        return (
-            f"checked mode: waiting for every member's record of its call (every member of the group must call "
-            f"{self.what} with matching arguments)"
-        )
+# --- refused calls and the reconciliation ---------------------------------------------------------------
 
 
 def _refusals(refused: list[tuple[int, str]]) -> np.ndarray:
-    record = np.zeros((), _REFUSALS)
+    record = np.zeros(1, _REFUSALS)
     record["count"] = len(refused)
     record["digest"] = zlib.crc32(repr(refused).encode())
     for i, (number, op) in enumerate(refused[:_LISTED]):
-        record["number"][i] = number
-        record["op"][i] = _clip(op, 24)
+        record["number"][0, i] = number
+        record["op"][0, i] = _clip(op, 24)
     return record
 
 
@@ -378,120 +442,87 @@ def _listed(record: Any) -> str:
     return f"collective{'s' if count > 1 else ''} " + ", ".join(shown) + more
 
 
-class _Reconcile(_Gate):
-    """After refused calls: the members that refused calls compare the lists; all must have refused the same."""
-
-    def __init__(self, pg: ProcessGroup, refused: list[tuple[int, str]]) -> None:
-        self.pg, self.refused = pg, refused
-        mine = _refusals(refused)
-        self.got = np.zeros(pg.size(), _REFUSALS)
-        self.got[pg.rank()] = mine
-        self.requests = _exchange(pg, _RECONCILE, mine, self.got)
-        self.receives = pg.size() - 1
-
-    def judge(self) -> CommunicationError | bool | None:
-        got = self.got
-        if all(got[j].tobytes() == got[0].tobytes() for j in range(len(got))):
-            return None
-        _steps(self.pg).broken = {self.pg.global_of[j]: _listed(got[j]) for j in range(len(got))}
-        return None  # ``Entry.passed`` fails it, and every later one, as out of step
-
-    def reason(self, entry: Entry) -> str:
-        return (
-            f"this rank refused its {_listed(_refusals(self.refused))} of the group (counted from 1), so it first "
-            "waits for every member to reach a later collective of the group having refused the same ones; a member "
-            "that posted a refused call waits for it instead (see its report)"
-        )
-
-
-# --- the queue ---------------------------------------------------------------------------------------------
-
-
-class Entry:
-    """One deferred collective: its handle, the gates it waits for, and their verdict."""
-
-    __slots__ = ("error", "gates", "handle", "number", "what")
-
-    def __init__(self, handle: Handle, what: str, number: int) -> None:
-        self.handle = handle
-        self.what = what
-        self.number = number  # the call's number on its group (from 1)
-        self.gates: list[_Gate] = []
-        self.error: CommunicationError | None = None
-
-    def passed(self, pg: ProcessGroup, block: bool) -> bool:
-        """Whether every gate has passed or one failed (the verdict is then ``error``); tests, or with ``block``
-        waits for, their messages."""
-        steps = pg.steps
-        if steps is not None and steps.broken is not None and self.error is None:
-            self.error = errors.out_of_step(self.what, pg.describe(), steps.broken)
-            self.drop_gates()
-        while self.gates:
-            gate = self.gates[0]
-            if gate.requests and not _complete(gate.requests, self, block):
-                return False
-            gate.requests = []
-            verdict = gate.judge()
-            if verdict is True:
-                continue
-            if verdict is None:
-                self.gates.pop(0)
-                steps = pg.steps
-                if steps is not None and steps.broken is not None:  # a reconciliation found the members apart
-                    self.error = errors.out_of_step(self.what, pg.describe(), steps.broken)
-                    self.drop_gates()
-                continue
-            assert isinstance(verdict, CommunicationError)
-            self.error = verdict
-            self.drop_gates()
-        return True
-
-    def drop_gates(self, withdraw: bool = False) -> None:
-        """Forget the gates; messages still in flight are parked with their buffers until they complete (with
-        ``withdraw``, receives still pending are cancelled first: no member will send them)."""
-        for gate in self.gates:
-            if withdraw:
-                for request in gate.requests[: gate.receives]:
-                    if request and not request.Test():
-                        request.Cancel()
-            if gate.requests:
-                _parked.append((gate.requests, gate))
-        self.gates.clear()
-
-    def reason(self, pg: ProcessGroup) -> str:
-        """Why it is not posted yet."""
-        steps = pg.steps
-        if steps is not None and steps.queue and steps.queue[0] is not self:
-            return "queued behind an earlier collective of the group that is not posted yet"
-        if self.gates:
-            return self.gates[0].reason(self)
-        return "its gates have passed; it is posted at the next wait or test"
-
-
-def _complete(requests: list[MPI.Request], entry: Entry, block: bool) -> bool:
+def _reconcile(check: _Check, steps: _Steps) -> None:
+    """This member refused calls of the group: exchange the lists with every other member.  The same lists: in
+    step again.  Different ones, or an exchange that did not complete: out of step for good."""
+    pg, what = check.pg, check.what
+    mine = _refusals(steps.refused)
+    got = np.zeros(pg.size(), _REFUSALS)
+    me, tag = pg.rank(), pg.identity % _TAGS
+    got[me] = mine[0]
+    receives: list[MPI.Request] = []
+    sends: list[MPI.Request] = []
+    reason = (
+        f"this rank refused its {_listed(mine[0])} of the group (counted from 1), so before posting another it "
+        "waits for every member to reach a later collective of the group having refused the same ones; a member "
+        "that posted a refused call waits in it instead (see its report)"
+    )
     try:
-        if not block:
-            return bool(_Testall(requests))
-        _wait_gate(requests, entry)
-        return True
-    except MPI.Exception as exc:
-        raise CommunicationError(
-            f"{entry.what}: exchanging the collective checks' records failed",
-            op=entry.what,
-            mpi_error=exc.Get_error_string(),
-        ) from exc
-
-
-def _wait_gate(requests: list[MPI.Request], entry: Entry) -> None:
-    """Block until a gate's messages complete (the wait of a collective: the watchdog and signals name it)."""
-    if state.oversubscribed:
-        while not _Testall(requests):
-            _yield()
+        for j, peer in enumerate(pg.global_of):
+            if j != me:
+                receives.append(_COMM.Irecv([got[j : j + 1], MPI.BYTE], peer, tag))
+        for j, peer in enumerate(pg.global_of):
+            if j != me:
+                sends.append(_COMM.Isend([mine, MPI.BYTE], peer, tag))
+        check.wait(reason, receives + sends)
+    except BaseException as exc:
+        _break(pg, f"its reconciliation after refused collectives did not complete here ({exc!r})")
+        for request in receives:  # no member will send them now: withdrawn (the sends are kept until delivered)
+            if request and not request.Test():
+                request.Cancel()
+        _park(pg, False, receives + sends, (mine, got))
+        if isinstance(exc, MPI.Exception):
+            raise CommunicationError(
+                f"{what} on {pg.describe()}: posting the reconciliation after refused collectives failed",
+                op=what,
+                mpi_error=exc.Get_error_string(),
+            ) from exc
+        raise
+    steps.refused = []
+    if any(got[j].tobytes() != got[0].tobytes() for j in range(len(got))):
+        sides = "; ".join(f"global rank {pg.global_of[j]} refused {_listed(got[j])}" for j in range(len(got)))
+        steps.broken = f"they refused different collectives ({sides})"
     else:
-        _Waitall(requests)
+        pg.steps = None  # in step: back to the common path
 
 
-signals.register_wait(_wait_gate, lambda scope, now: scope["entry"].handle.pending_lines(now))
+def catch_up(pg: ProcessGroup, what: str, described: str, timeout: float | None = None) -> None:
+    """Before posting ``what`` on ``pg`` off the common path (``pg.steps`` set; the caller holds ``pg.lock``): the
+    reconciliation of the calls this member refused, bounded by ``timeout``, else by the group's timeout; then
+    out_of_step's error if the members are out of step."""
+    steps = pg.steps
+    if steps is None:
+        return
+    assert isinstance(steps, _Steps)
+    if steps.broken is None and steps.refused:
+        _reconcile(_check(pg, what, described, timeout), steps)
+    if steps.broken is not None:
+        raise errors.out_of_step(what, pg.describe(), steps.broken)
+    if _parked:
+        _reap_parked()
+
+
+def _catch_up_before_split(pg: ProcessGroup, what: str) -> None:
+    """``groups``: a group made from ``pg`` (a split, ``new_group`` on the world) uses ``pg``'s communicator, so a
+    member off the common path reconciles first, as before a collective."""
+    with pg.lock:
+        catch_up(pg, what, f"{what} from {pg.describe()}")
+
+
+groups.before_split = _catch_up_before_split
+
+
+def _flush_at_exit() -> None:
+    """At exit, before MPI is finalized: a moment for the parked requests (a refusal list on its way) to complete."""
+    if not _parked or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + 1.0
+    while _parked and time.monotonic() < deadline:
+        _reap_parked()
+        time.sleep(1e-3)
+
+
+atexit.register(_flush_at_exit)
 
 
 def collective_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
@@ -502,119 +533,48 @@ def collective_group(group: ProcessGroup | None, what: str) -> ProcessGroup | No
     return pg
 
 
-def defer(handle: Handle, pg: ProcessGroup, what: str, call: Call | None) -> Entry:
-    """Queue ``handle`` (not posted) behind the group's deferred collectives, with the gates its call needs: the
-    reconciliation of the calls refused since the last one, and in checked mode (``call``) the records."""
-    steps = _steps(pg)
-    _reap_parked()
-    entry = Entry(handle, what, pg.calls)
-    if steps.broken is not None:
-        entry.error = errors.out_of_step(what, pg.describe(), steps.broken)
-    elif pg.size() > 1:
-        if steps.refused:
-            entry.gates.append(_Reconcile(pg, steps.refused))
-            steps.refused = []
-        if call is not None:
-            entry.gates.append(_Records(pg, what, call))
-    steps.queue.append(entry)
-    return entry
-
-
-def advance(pg: ProcessGroup, until: Handle | None = None, block: bool = False) -> bool:
-    """Post the group's deferred collectives whose gates have passed, in order; with ``block``, wait for the gates
-    until ``until`` is posted (or failed).  Whether ``until`` has left the queue."""
-    steps = pg.steps
-    if steps is None:
-        return True
-    if not steps.lock.acquire(block):
-        return False  # another thread is moving the queue
-    try:
-        _reap_parked()
-        queue = steps.queue
-        if pg.communicator is None:  # destroyed: nothing queued will ever be posted
-            while queue:
-                entry = queue.popleft()
-                entry.drop_gates(withdraw=True)
-                entry.handle.fail_deferred(errors.destroyed_unposted(entry.what, pg.name))
-            steps.refused = []
-        while queue:
-            entry = queue[0]
-            if not entry.passed(pg, block):
-                break
-            queue.popleft()
-            if entry.error is not None:
-                entry.handle.fail_deferred(entry.error)
-            else:
-                entry.handle.post_deferred()
-            if entry.handle is until:
-                break
-        left = until is None or all(e.handle is not until for e in queue)
-    finally:
-        steps.lock.release()
-    _idle(pg)
-    return left
-
-
 def refused(pg: ProcessGroup, what: str, exc: BaseException) -> None:
     """This member refused its call of ``what`` on ``pg`` (``exc``), after counting it and before posting it.
 
-    In checked mode its record says so to every other member; otherwise the call is noted for the next
-    reconciliation."""
+    In checked mode, on a group in step, its record says so to every other member (which then raise too);
+    otherwise the call is noted for the next reconciliation."""
     if pg.size() < 2 or pg.communicator is None:
         return
-    if not state.checked:
+    if not state.checked or pg.steps is not None:
         mark_refused(pg, what)
         return
-    try:
-        note = f"{type(exc).__name__}: {exc}"
-        outgoing = _records(pg, None, what, note)
-        got = np.zeros(pg.size(), _RECORD)
-        _parked.append((_exchange(pg, _RECORDS, outgoing, got), (outgoing, got)))
-    except CommunicationError:
-        mark_refused(pg, what)
+    note = f"{type(exc).__name__}: {exc}"
+    with pg.lock:
+        try:
+            _exchange_records(_check(pg, what, None, None), _records(pg, None, what, note))
+        except BaseException as failure:
+            _break(
+                pg,
+                f"checked mode's records of its refused collective #{pg.calls} ({what}) did not complete "
+                f"here ({failure!r})",
+            )
+            if not isinstance(failure, Exception):  # an interrupt goes on up; an error of the records gives way
+                raise  # to the refusal, which the caller raises
 
 
-def mark_refused(pg: ProcessGroup, what: str, number: int | None = None) -> None:
-    """Note that call ``number`` (default: the last one counted) of ``what`` on ``pg`` was not posted here, though
-    the other members may have posted theirs."""
-    if pg.size() > 1:
-        _steps(pg).refused.append((pg.calls if number is None else number, what))
+def mark_refused(pg: ProcessGroup, what: str) -> None:
+    """Note that the last call counted on ``pg`` (``what``) was not posted here, though the other members may have
+    posted theirs."""
+    if pg.size() > 1 and pg.communicator is not None:
+        steps = _steps(pg)
+        if steps.broken is None:
+            steps.refused.append((pg.calls, what))
 
 
 def forget(pg: ProcessGroup) -> None:
-    """Forget the calls ``pg``'s members refused and whether they fell out of step, and fail its deferred
-    collectives: for a caller that knows, at the same point on every member, that none of the group's collectives
-    is left posted (a test harness between tests, where a rank stopped early skips calls its peers refused).  The
-    group's records start a new stream (``groups.renew_identity``), so that none sent before can match."""
-    steps = pg.steps
-    if steps is not None:
-        with steps.lock:
-            while steps.queue:
-                entry = steps.queue.popleft()
-                entry.drop_gates(withdraw=True)
-                entry.handle.fail_deferred(errors.forgotten_unposted(entry.what, pg.name))
-            steps.refused = []
-            steps.broken = None
-        _idle(pg)
-    groups.renew_identity(pg)
-
-
-def _flush_at_exit() -> None:
-    """At exit, before MPI is finalized: post what the members agreed on (their collectives may wait for it)."""
-    if not MPI.Is_initialized() or MPI.Is_finalized():
+    """Forget the calls ``pg``'s members refused and whether they fell out of step: for a caller that knows, at the
+    same point on every member, that none of the group's collectives is left posted (a test harness between tests,
+    where a rank stopped early skips calls its peers refused).  The group's reconciliations start under a new tag
+    (``groups.renew_identity``), so that none sent before can match.  A check's collective still pending on the
+    group's own communicator here (a checked-mode exchange that timed out) would match the group's next collective:
+    then the group stays out of step."""
+    if _pending_on(pg):
+        _break(pg, "a checked-mode exchange of records that did not complete here is still pending on the group")
         return
-    deadline = time.monotonic() + 2.0
-    for pg in list(_groups):
-        while pg.steps is not None and pg.steps.queue and time.monotonic() < deadline:
-            try:
-                advance(pg)
-            except CommunicationError:
-                break
-            time.sleep(1e-3)
-    _reap_parked()
-    while _parked and time.monotonic() < deadline:  # the others' records of refused calls: arrived, or on the way
-        time.sleep(1e-3)
-        _reap_parked()
-
-
-atexit.register(_flush_at_exit)
+    pg.steps = None
+    groups.renew_identity(pg)

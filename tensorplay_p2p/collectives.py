@@ -126,13 +126,13 @@ def _all_reduce(
             slots = [staging.slot(a, reads=True) for a in args]
             for s in slots:
                 s.reduction(plan, pg.size(), reads=True, writes=True)
+        call = None
+        if state.checked:
+            sizes = "" if single else str([a.numel for a in args])
+            call = Call(what, reduce=red.name, dtype=plan.dtype, elements=sum(a.numel for a in args), sizes=sizes)
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = None
-    if state.checked:
-        sizes = "" if single else str([a.numel for a in args])
-        call = Call(what, reduce=red.name, dtype=plan.dtype, elements=sum(a.numel for a in args), sizes=sizes)
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         for s in slots:
@@ -164,10 +164,10 @@ def reduce(
         with Staging() as staging:
             slot = staging.slot(a, reads=True)
             slot.reduction(plan, pg.size(), reads=True, writes=here)
+        call = Call(what, at, red.name, a.dtype, a.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, at, red.name, a.dtype, a.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         if here:
@@ -196,10 +196,10 @@ def broadcast(
         a = arg(tensor, not here, what, "tensor")
         with Staging() as staging:
             slot = staging.slot(a, reads=here)
+        call = Call(what, at, dtype=a.dtype, elements=a.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, at, dtype=a.dtype, elements=a.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Ibcast(slot.spec(), at))

@@ -6,14 +6,12 @@ with a timeout, ``MPI_Testall`` polled by ``work.poll``), then runs the post-ste
 tensors) and gives the pooled buffers back.  A pending handle is tracked by the watchdog, named by a signal's
 report, and if dropped kept in ``work.dropped`` with its buffers until MPI is done with them.
 
-Off the common path (checked mode, or a group whose member refused a collective), a handle is not posted at once:
-``collcheck`` queues it on its group and posts it (``post_deferred``) once the members agree, or fails it
-(``fail_deferred``); its ``wait`` and ``test`` move that queue on.
+In checked mode the members first compare their records of the call (``collcheck.agree``), at the call: a
+handle that exists has been posted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +28,7 @@ from .staging import Blocks, Slot
 
 __all__ = ["CollectiveWork", "Post", "reap_stranded", "run", "stranded"]
 
-_PENDING, _DONE, _FAILED, _DEFERRED = 0, 1, 2, 3
+_PENDING, _DONE, _FAILED = 0, 1, 2
 _Waitall = MPI.Request.Waitall
 _Testall = MPI.Request.Testall
 _yield = os.sched_yield
@@ -52,17 +50,16 @@ class CollectiveWork:
     __slots__ = (
         "__weakref__",
         "_detail",
-        "_entry",
         "_exception",
         "_group",
         "_name",
         "_outputs",
         "_parts",
-        "_post",
         "_profiled",
         "_requests",
         "_root",
         "_state",
+        "_statuses",
         "_timeout",
         "posted",
     )
@@ -82,10 +79,10 @@ class CollectiveWork:
     ) -> None:
         """Post the collective (``post`` appends its requests); ``detail`` is (op, dtype, bytes) for descriptions,
         ``inputs`` the tensors a profiler event shows (default: ``outputs``, for the in-place collectives), ``call``
-        its description in checked mode.
+        its description in checked mode, whose records the members compare first (``collcheck.agree``).
 
-        If posting fails, what was staged is given back (a request already posted keeps it until it completes).
-        In checked mode, or while the group is off the common path, it is queued instead (``collcheck.defer``)."""
+        If it is not posted, what was staged is given back (a request already posted keeps it until it completes)
+        and the error is raised; the call is noted as refused on this member where the others may have posted it."""
         self._name = name
         self._group = group
         self._root = root  # group rank, or None
@@ -94,32 +91,41 @@ class CollectiveWork:
         self._parts = list(parts)
         self._timeout = timeout
         self._requests: list[MPI.Request] = []
+        self._statuses: list[MPI.Status] | None = None
         self._exception: CommunicationError | None = None
         self._state = _FAILED
         self._profiled = None
-        self._entry: collcheck.Entry | None = None
         self.posted = time.monotonic()
-        if work.dropped:
-            work.reap_dropped()
-        if stranded:
-            reap_stranded()
-        comm = group.live_comm(name)
-        if profiling.active():  # the event spans post to completion, as torch's backends record it
-            shown = outputs if inputs is None else inputs
-            backend = profiling.backend_name(group, shown[0] if shown else None)
-            self._profiled = profiling.start(backend, _EVENTS.get(name, name), shown)
+        try:
+            if work.dropped:
+                work.reap_dropped()
+            if stranded:
+                reap_stranded()
+            comm = group.live_comm(name)
+            if profiling.active():  # the event spans post to completion, as torch's backends record it
+                shown = outputs if inputs is None else inputs
+                backend = profiling.backend_name(group, shown[0] if shown else None)
+                self._profiled = profiling.start(backend, _EVENTS.get(name, name), shown)
+        except BaseException as exc:
+            self._settle(CommunicationError(f"{self.describe()}: not posted", op=name))
+            collcheck.refused(group, name, exc)
+            raise
         if group.steps is None and (call is None or group.size() == 1):  # the common path: posted now
-            self._start(comm, post, group.calls)
+            self._start(comm, post)
             return
-        self._post: Post | None = post
-        self._state = _DEFERRED
-        if watchdog.active:
-            watchdog.track(self)
-        self._entry = collcheck.defer(self, group, name, call)
-        collcheck.advance(group)  # posted at once if nothing holds it back
+        with group.lock:  # this thread's checks and its post stay together on the group's communicator
+            try:
+                if group.steps is not None:  # a refused call to reconcile first, or out of step
+                    collcheck.catch_up(group, name, self.describe(), timeout)
+                if call is not None and group.size() > 1:
+                    collcheck.agree(group, name, call, self.describe(), timeout)
+            except BaseException:
+                self._settle(CommunicationError(f"{self.describe()}: not posted", op=name))
+                raise
+            self._start(comm, post)
 
-    def _start(self, comm: MPI.Intracomm, post: Post, number: int) -> None:
-        """Post the requests; call ``number`` of the group, noted as not posted here if MPI refuses it."""
+    def _start(self, comm: MPI.Intracomm, post: Post) -> None:
+        """Post the requests; the call is noted as not posted here if that fails (the others may have posted it)."""
         try:
             post(comm, self._requests)
         except MPI.Exception as exc:
@@ -128,33 +134,15 @@ class CollectiveWork:
                 f"{self.describe()}: posting it failed{hint}", op=self._name, mpi_error=exc.Get_error_string().strip()
             )
             self._not_posted(error)
-            collcheck.mark_refused(self._group, self._name, number)  # the other members may have posted theirs
+            collcheck.mark_refused(self._group, self._name)
             raise error from exc
         except BaseException:
             self._not_posted(CommunicationError(f"{self.describe()}: not posted", op=self._name))
-            collcheck.mark_refused(self._group, self._name, number)
+            collcheck.mark_refused(self._group, self._name)
             raise
         self._state = _PENDING
         if watchdog.active:
             watchdog.track(self)
-
-    def post_deferred(self) -> None:
-        """``collcheck``: the members agreed; post it now (a failure is this handle's error)."""
-        post, self._post = self._post, None
-        entry, self._entry = self._entry, None  # the queue's entry refers to this handle: no cycle is left
-        assert post is not None and entry is not None
-        try:
-            comm = self._group.live_comm(self._name)
-        except (RuntimeError, ValueError) as exc:
-            self.fail_deferred(CommunicationError(f"{self.describe()}: not posted: {exc}", op=self._name))
-            return
-        with contextlib.suppress(CommunicationError):  # wait() raises it
-            self._start(comm, post, entry.number)
-
-    def fail_deferred(self, error: CommunicationError) -> None:
-        """``collcheck``: the members disagree, or are out of step; it is never posted."""
-        self._post = self._entry = None
-        self._settle(error)
 
     def _not_posted(self, error: CommunicationError) -> None:
         self._exception = error
@@ -164,18 +152,16 @@ class CollectiveWork:
             self._settle(error)
 
     def __del__(self) -> None:
-        if self._state == _PENDING or self._state == _DEFERRED:
+        if self._state == _PENDING:
             work.dropped.append(self)  # kept alive until MPI is done with its buffers
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the collective completes (at most ``timeout``); raise its error if it failed. Returns True."""
         if timeout is None:
             timeout = self._timeout
-            while self._state == _DEFERRED and timeout is None:  # off the common path: posted once agreed
-                collcheck.advance(self._group, self, block=True)
         if self._state == _PENDING and timeout is None:  # blocks here, in this frame: signals names it
             requests = self._requests
-            statuses = None if len(requests) == 1 else [MPI.Status() for _ in requests]
+            statuses = None if len(requests) == 1 else self._statuses_of(requests)
             try:
                 if statuses is None:
                     if state.oversubscribed:
@@ -192,7 +178,7 @@ class CollectiveWork:
                 self._failed(_code(exc, statuses))
             else:
                 self._settle(self._exception)
-        elif self._state == _PENDING or self._state == _DEFERRED:
+        elif self._state == _PENDING:
             limit = seconds(timeout, "timeout")
             assert limit is not None
             work.poll(self.test, limit, self._still_pending, f"{self._name}: ")
@@ -204,14 +190,10 @@ class CollectiveWork:
 
     def test(self) -> bool:
         """Whether the collective has finished (``MPI_Testall``); completes it if so."""
-        if self._state == _DEFERRED:
-            collcheck.advance(self._group)
-            if self._state == _DEFERRED:
-                return False
         if self._state != _PENDING:
             return True
         requests = self._requests
-        statuses = None if len(requests) == 1 else [MPI.Status() for _ in requests]
+        statuses = None if len(requests) == 1 else self._statuses_of(requests)
         try:
             done = requests[0].Test() if statuses is None else _Testall(requests, statuses)
         except MPI.Exception as exc:
@@ -220,6 +202,13 @@ class CollectiveWork:
         if done:
             self._settle(self._exception)
         return bool(done)
+
+    def _statuses_of(self, requests: list[MPI.Request]) -> list[MPI.Status]:
+        """The statuses MPI fills for several requests (made once per handle, not per test)."""
+        statuses = self._statuses
+        if statuses is None:
+            statuses = self._statuses = [MPI.Status() for _ in requests]
+        return statuses
 
     def is_completed(self) -> bool:
         """Whether it has finished (successfully or not), without blocking."""
@@ -247,8 +236,6 @@ class CollectiveWork:
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog, signals and timeouts: this collective, if still pending."""
-        if self._state == _DEFERRED and self._entry is not None:
-            return [errors.deferred_line(self.describe(now), self._entry.reason(self._group))]
         if self._state != _PENDING:
             return []
         return [f"{self.describe(now)}; every member of the group must call {self._name}"]
@@ -288,7 +275,7 @@ class CollectiveWork:
             self._profiled = None
 
     def __repr__(self) -> str:
-        state = ("pending", "completed", "failed", "not posted yet")[self._state]
+        state = ("pending", "completed", "failed")[self._state]
         return f"CollectiveWork({self.describe()}, {state})"
 
 
@@ -311,8 +298,8 @@ def run(
 ) -> CollectiveWork | None:
     """Post the collective; the handle with ``async_op``, else wait for it (the watchdog's rule applies) and None.
 
-    If the members' checked-mode records of the call disagree (``call``), the staged buffers are given back and
-    nothing is posted."""
+    If the members' checked-mode records of the call disagree (``call``), the staged buffers are given back, nothing
+    is posted, and CollectiveMismatchError is raised."""
     handle = CollectiveWork(name, group, root, detail, outputs, parts, post, timeout, inputs, call)
     if async_op:
         return handle

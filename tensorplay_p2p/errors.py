@@ -27,19 +27,17 @@ __all__ = [
     "collective_mismatch",
     "collective_pair",
     "collective_refused",
-    "deferred_line",
     "describe_message",
     "describe_op",
-    "destroyed_unposted",
     "exchange_size_error",
     "failure",
-    "forgotten_unposted",
     "freed_storage",
     "hook_error",
     "out_of_step",
     "posting_error",
     "size_error",
     "timeout_error",
+    "unposted_line",
     "verb",
 ]
 
@@ -464,35 +462,18 @@ def collective_pair(
     )
 
 
-def out_of_step(what: str, group: str, refusals: dict[int, str]) -> CommunicationError:
-    """The members that reconciled after refused collectives did not refuse the same ones (``refusals``: global rank:
-    the calls it refused): the group's collectives can no longer be matched."""
-    sides = "; ".join(f"{_ranks([rank])} refused {text}" for rank, text in sorted(refusals.items()))
+def out_of_step(what: str, group: str, why: str) -> CommunicationError:
+    """The members of ``group`` are out of step for good (``why``): the collectives some of them posted can never be
+    matched, so ``what`` is not posted."""
     return CommunicationError(
-        f"{what} on {group}: the members are out of step: they refused different collectives ({sides}), so the "
-        "collectives some of them posted can never be matched; no collective of this group is posted any more on "
-        "this rank: make a new group with new_group() on every member, or end the job",
+        f"{what} on {group}: not posted: the members are out of step: {why}, so the collectives some of them posted "
+        "can never be matched; no collective of this group is posted any more on this rank: make a new group with "
+        "new_group() on every member, or end the job",
         op=what,
     )
 
 
-def destroyed_unposted(what: str, group: str) -> CommunicationError:
-    """A collective queued until its group's members agreed, whose group was destroyed first."""
-    return CommunicationError(
-        f"{what}: not posted: process group {group!r} was destroyed before its members agreed to post it", op=what
-    )
-
-
-def forgotten_unposted(what: str, group: str) -> CommunicationError:
-    """A collective queued until its group's members agreed, whose group's record of refused calls was forgotten."""
-    return CommunicationError(
-        f"{what}: not posted: the refused collectives of process group {group!r} were forgotten before its members "
-        "agreed to post it",
-        op=what,
-    )
-
-
-def deferred_line(description: str, reason: str) -> str:
+def unposted_line(description: str, reason: str) -> str:
     """The pending line of a collective that is not posted yet, and why (for timeouts, the watchdog, signals)."""
     return f"{description}; not posted yet: {reason}"
 

@@ -60,10 +60,10 @@ def all_gather(
         with Staging() as staging:
             mine = staging.slot(source, reads=True, private=0 in copied)
             into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+        call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iallgatherv(mine.spec(), into.spec()))
@@ -102,10 +102,10 @@ def all_gather_into_tensor(
         with Staging() as staging:
             mine = staging.slot(source, reads=True, private=0 in copied)
             into = staging.slot(out, reads=False)
+        call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iallgather(mine.spec(), [into.mpi, mine.mpi.nbytes, _BYTE]))
@@ -161,13 +161,13 @@ def all_gather_coalesced(
                 staging.blocks([staging.slot(row[i], reads=False) for row in outs], writes=True)
                 for i in range(len(sources))
             ]
+        call = None
+        if state.checked:
+            numels = [s.numel for s in sources]
+            call = Call(what, dtype=dtype, elements=sum(numels), sizes=str(numels))
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = None
-    if state.checked:
-        numels = [s.numel for s in sources]
-        call = Call(what, dtype=dtype, elements=sum(numels), sizes=str(numels))
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         for source, blocks in zip(mine, into, strict=True):
@@ -214,10 +214,10 @@ def gather(
         with Staging() as staging:
             mine = staging.slot(source, reads=True, private=0 in copied)
             into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True) if outs else None
+        call = Call(what, at, dtype=dtype, elements=source.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, at, dtype=dtype, elements=source.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Igatherv(mine.spec(), None if into is None else into.spec(), at))
@@ -261,10 +261,10 @@ def scatter(
             into = staging.slot(out, reads=False)
             slots = [staging.slot(s, reads=True, private=i + 1 in copied) for i, s in enumerate(sources)]
             blocks = staging.blocks(slots, writes=False) if sources else None
+        call = Call(what, at, dtype=dtype, elements=out.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, at, dtype=dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Iscatterv(None if blocks is None else blocks.spec(), into.spec(), at))
@@ -326,10 +326,10 @@ def reduce_scatter(
             for slot in slots:
                 slot.reduction(plan, size, reads=True, writes=False)
             blocks = staging.blocks(slots, writes=False, in_order=True)
+        call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         receive = into.spec()  # mpi4py counts the send buffer per block too
@@ -360,10 +360,10 @@ def reduce_scatter_tensor(
             into.reduction(plan, pg.size(), reads=False, writes=True)
             mine = staging.slot(source, reads=True, private=0 in copied)
             mine.reduction(plan, pg.size(), reads=True, writes=False)
+        call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = Call(what, reduce=red.name, dtype=plan.dtype, elements=out.numel) if state.checked else None
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         receive = into.spec()  # mpi4py counts the send buffer per block too
@@ -396,12 +396,12 @@ def all_to_all(
                 [staging.slot(s, reads=True, private=i in copied) for i, s in enumerate(sources)], writes=False
             )
             into = staging.blocks([staging.slot(o, reads=False) for o in outs], writes=True)
+        call = None
+        if state.checked:
+            call = Call(what, dtype=dtype, sends=[a.numel for a in sources], expects=[a.numel for a in outs])
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = None
-    if state.checked:
-        call = Call(what, dtype=dtype, sends=[a.numel for a in sources], expects=[a.numel for a in outs])
 
     def post(comm: MPI.Intracomm, requests: list[MPI.Request]) -> None:
         requests.append(comm.Ialltoallv(send.spec(), into.spec()))
@@ -446,13 +446,13 @@ def all_to_all_single(
         with Staging() as staging:
             mine = staging.slot(source, reads=True, private=0 in copied)
             into = staging.slot(out, reads=False)
+        call = None
+        if state.checked:
+            shape = f"{tuple(out.memory.shape[1:])}"
+            call = Call(what, dtype=dtype, sizes=shape, sends=sends, expects=receives, unit="row")
     except BaseException as exc:
         refused(pg, what, exc)
         raise
-    call = None
-    if state.checked:
-        shape = f"{tuple(out.memory.shape[1:])}"
-        call = Call(what, dtype=dtype, sizes=shape, sends=sends, expects=receives, unit="row")
 
     send_counts = [n * row for n in sends]
     receive_counts = [n * row for n in receives]

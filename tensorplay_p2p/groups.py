@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
@@ -42,9 +43,10 @@ class ProcessGroup:
     intracommunicator (None for a non-member or a destroyed group); ``global_of``, the global rank of each
     group rank; ``group_of``, the group rank of each member's global rank; ``backend``, the torch backend
     name the group was made with (``get_backend`` answers it; the group runs on MPI whatever it is);
-    ``identity``, a number every member computes alike and that tells apart groups of the same ranks (the
-    streams of ``collcheck``'s messages); ``calls``, the collectives this process has called on the group;
-    ``steps``, ``collcheck``'s state while the group needs it (None on the common path: in step, nothing deferred).
+    ``identity``, a number every member computes alike and that tells apart groups of the same ranks (the tag of
+    ``collcheck``'s reconciliations); ``calls``, the collectives this process has called on the group; ``steps``,
+    ``collcheck``'s state while the group needs it (None on the common path: in step); ``lock``, held by
+    ``collcheck`` while a thread checks a collective and posts it.
     """
 
     proc_null_peers = False  # whether MPI.PROC_NULL is a valid group peer (Cartesian groups)
@@ -62,10 +64,13 @@ class ProcessGroup:
         "global_of",
         "group_of",
         "identity",
+        "lock",
         "steps",
     )
 
-    def __init__(self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False) -> None:
+    def __init__(
+        self, comm: MPI.Intracomm | None, name: str, *, owns_comm: bool = False, wrapped: bool = False
+    ) -> None:
         self._name = name
         self.backend = "mpi"
         self._owns_comm = owns_comm
@@ -78,9 +83,10 @@ class ProcessGroup:
         self.calls = 0
         self.steps: Any = None
         self.identity = 0
+        self.lock = threading.Lock()
         if comm is not None:
             self._bind(comm)
-            self.identity = _identity(self.global_of)
+            self.identity = _identity(self.global_of, wrapped)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -173,21 +179,31 @@ class ProcessGroup:
         return f"ProcessGroup(name={self._name!r}, rank={self._rank}, size={self._size}{state})"
 
 
-_made: Counter[tuple[int, ...]] = Counter()  # groups made in this process, per tuple of global ranks
+_made: Counter[tuple[bool, tuple[int, ...]]] = Counter()  # groups made in this process, per kind and global ranks
 
 
-def _identity(ranks: tuple[int, ...]) -> int:
+def _identity(ranks: tuple[int, ...], wrapped: bool) -> int:
     """A number for a new group of ``ranks`` that every member computes alike: the ranks, and how many groups of the
     same ranks this process has made before.  Every member takes part in making each of them, in the same order
     (making a communicator is collective over its members), so the count agrees where the group names may not
-    (members-only ``new_group`` calls number their groups differently on other ranks)."""
-    _made[ranks] += 1
-    return zlib.crc32(f"{ranks} {_made[ranks]}".encode())
+    (members-only ``new_group`` calls number their groups differently on other ranks).  A program may wrap its own
+    communicator (``group_from_comm``) on some members only: those are counted apart, so that they never shift the
+    numbers of the groups the package makes."""
+    _made[wrapped, ranks] += 1
+    return zlib.crc32(f"{ranks} {'wrapped ' if wrapped else ''}{_made[wrapped, ranks]}".encode())
+
+
+def _in_step(pg: ProcessGroup, what: str) -> None:
+    """Set by ``collcheck``: before a group is made from ``pg``'s communicator while ``pg`` is off the common path
+    (a member refused a collective of it), the reconciliation a collective would make first."""
+
+
+before_split: Callable[[ProcessGroup, str], None] = _in_step
 
 
 def renew_identity(pg: ProcessGroup) -> None:
-    """Give ``pg`` a new ``identity``, as every member does at the same point (``collcheck.forget``), so that records
-    of its old one still in flight never match the new one's."""
+    """Give ``pg`` a new ``identity``, as every member does at the same point (``collcheck.forget``, a new world), so
+    that a reconciliation's lists of its old one still in flight never match the new one's."""
     pg.identity = zlib.crc32(f"{pg.identity} renewed".encode())
 
 
@@ -349,6 +365,8 @@ def new_group(
     counted()
     if world.Get_rank() not in members:
         return GroupMember.NON_GROUP_MEMBER
+    if GroupMember.WORLD.steps is not None:
+        before_split(GroupMember.WORLD, "new_group")
     world_group = world.Get_group()
     try:
         sub = world_group.Incl(members)
@@ -407,6 +425,8 @@ def _split(
     global rank order, or with ``key_by_group_rank`` the parent's group-rank order."""
     me = parent.global_of[parent.rank()]
     color = next((i for i, members in enumerate(lists) if me in members), MPI.UNDEFINED)
+    if parent.steps is not None:
+        before_split(parent, "split")
     sub = cast(MPI.Intracomm, comm.Split(color, parent.rank() if key_by_group_rank else me))
     base = group_desc or f"group{next(_names)}"
     if count:
@@ -456,6 +476,8 @@ def _node_subgroups(
 ) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
     """``new_subgroups`` without a size: one subgroup per node, in the order of each node's lowest group rank."""
     me = parent.global_of[parent.rank()]
+    if parent.steps is not None:
+        before_split(parent, "new_subgroups")
     node = cast(MPI.Intracomm, comm.Split_type(MPI.COMM_TYPE_SHARED, me))
     first = node.allreduce(parent.rank(), op=MPI.MIN)
     firsts = sorted(set(comm.allgather(first)))
@@ -520,7 +542,7 @@ def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGrou
         raise ValueError("group_from_comm: the communicator is MPI.COMM_NULL")
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"group_from_comm needs an mpi4py Intracomm, not {type(comm).__name__}")
-    pg = ProcessGroup(comm, name or comm.Get_name() or f"group{next(_names)}")
+    pg = ProcessGroup(comm, name or comm.Get_name() or f"group{next(_names)}", wrapped=True)
     created.append(pg)
     counted()
     return pg
@@ -538,6 +560,7 @@ def destroy_all() -> None:
 def revive_world() -> None:
     global _pg_count
     GroupMember.WORLD._bind(MPI.COMM_WORLD)
+    renew_identity(GroupMember.WORLD)  # every rank does it: a reconciliation sent before never matches
     _pg_count = 1
 
 

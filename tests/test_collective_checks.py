@@ -7,6 +7,8 @@ records what happened and asserts after its last collective, so that every rank 
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +21,7 @@ from world import RANK, SIZE, WAIT, exchange_and_check
 import tensorplay_p2p as dist
 from tensorplay_p2p import collcheck
 from tensorplay_p2p.reductions import ReduceOp
+from tensorplay_p2p.runtime import state
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -269,41 +272,69 @@ def test_a_refused_call_makes_every_member_raise_naming_it(checked: None) -> Non
     assert total == SIZE * (SIZE + 1) / 2
 
 
-def test_a_deferred_collective_completes_after_point_to_point(checked: None) -> None:
-    """In checked mode an async collective is posted once the members agree: a chain of sends that the members
-    reach only after posting theirs does not deadlock."""
+@pytest.mark.parametrize("mode", ["checked", "unchecked"])
+def test_an_async_collective_is_posted_at_the_call(mode: str, request: pytest.FixtureRequest) -> None:
+    """The check runs at the call, so an async collective is posted when the call returns, in the order of the calls:
+    a large message that needs the peer to finish its collective first completes, and a collective the program
+    makes itself with mpi4py on the group's communicator pairs with its own kind."""
+    request.getfixturevalue(mode)
     t = np.full(4, float(RANK + 1))
-    token = np.zeros(1)
-    if RANK > 0:
-        dist.recv(token, src=RANK - 1, tag=5)
+    big = np.full(1 << 17, float(RANK))  # 1 MiB: sent by rendezvous, so the send waits for the receive
+    mine = np.full(2, float(RANK + 1))
     w = dist.all_reduce(t, async_op=True)
     assert w is not None
-    if RANK + 1 < SIZE:
-        dist.send(np.array([float(RANK)]), dst=RANK + 1, tag=5)
-    exchange_and_check(6, 1.0)
-    assert w.wait(timeout=WAIT) and t.tolist() == [SIZE * (SIZE + 1) / 2] * 4
+    if RANK == 0 and SIZE > 1:
+        dist.send(big, dst=1, tag=8)  # rank 1 receives it only once the all_reduce completed there
+    elif RANK == 1:
+        assert w.wait(timeout=WAIT)
+        dist.recv(big, src=0, tag=8)
+    dist.group.WORLD.comm.Allreduce(MPI.IN_PLACE, [mine, MPI.DOUBLE], MPI.MAX)  # the program's own, after it
+    assert w.wait(timeout=WAIT)
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 4 and mine.tolist() == [float(SIZE)] * 2
+    assert big[0] == (0.0 if RANK == 1 else float(RANK))
 
 
-def test_a_member_that_comes_late_is_waited_for_with_a_timeout(checked: None) -> None:
+@pytest.fixture
+def group_timeout() -> Iterator[Callable[[float], None]]:
+    """Set the group's timeout (``init_process_group(timeout=...)``) that bounds the checks' waits at the call,
+    without the watchdog it would also start."""
+    ambient = state.timeout
+
+    def bound(limit: float) -> None:
+        state.timeout = limit
+
+    yield bound
+    state.timeout = ambient
+
+
+def test_a_member_that_comes_late_makes_the_others_time_out_at_the_call(
+    checked: None, group_timeout: Callable[[float], None]
+) -> None:
+    """Checked mode waits at the call for every member's record, bounded by the group's timeout: the members that
+    came time out naming the wait, and their group is out of step from then on (they exchanged a record the late
+    member has not)."""
     needs_two()
     g = dist.new_group(list(range(SIZE)), group_desc="late")
     t = np.full(2, float(RANK))
-    error: BaseException | None = None
-    if RANK == 0:
-        MPI.COMM_WORLD.Barrier()  # calls only after the others timed out
-        w = dist.all_reduce(t, group=g, async_op=True)
-    else:
-        w = dist.all_reduce(t, group=g, async_op=True)
-        assert w is not None
-        error = outcome(lambda: w.wait(timeout=0.2))
-        MPI.COMM_WORLD.Barrier()
-    assert w is not None and w.wait(timeout=WAIT)
+    error = later = None
+    if RANK != 0:
+        group_timeout(0.2)
+        error = outcome(lambda: dist.all_reduce(t, group=g, async_op=True))
+        collcheck.forget(g)  # refused: the records' all-to-all is still pending on the group's communicator
+        later = outcome(lambda: dist.barrier(group=g))
+    MPI.COMM_WORLD.Barrier()  # rank 0 comes once the others timed out
+    if RANK == 0:  # the records it owes them, by hand; it posts nothing more on the group
+        size = collcheck._RECORD.itemsize
+        sent, got = np.zeros(size * SIZE, np.uint8), np.zeros(size * SIZE, np.uint8)
+        g.comm.Ialltoall([sent, MPI.BYTE], [got, MPI.BYTE]).Wait()
     dist.destroy_process_group(g)
-    assert t.tolist() == [SIZE * (SIZE - 1) / 2] * 2
+    np.testing.assert_array_equal(t, float(RANK))
     if RANK != 0:
         assert isinstance(error, dist.CommunicationTimeout), repr(error)
         assert error.pending[0].startswith("all_reduce (SUM, float64, 16 bytes) on group 'late'"), error.pending
         assert "not posted yet: checked mode: waiting for every member's record of its call" in error.pending[0]
+        assert isinstance(later, dist.CommunicationError), repr(later)
+        assert "the members are out of step: a checked-mode exchange of records that did not complete" in str(later)
 
 
 def test_freed_storage_under_a_pending_all_reduce_fails_it_instead_of_crashing(checked: None) -> None:
@@ -342,78 +373,81 @@ def test_members_that_refuse_the_same_calls_stay_in_step(unchecked: None) -> Non
     assert dist.group.WORLD.steps is None
 
 
-def test_a_collective_refused_on_one_member_never_matches_the_next(unchecked: None) -> None:
+def test_a_collective_refused_on_one_member_never_matches_the_next(
+    unchecked: None, group_timeout: Callable[[float], None]
+) -> None:
     """The issue's case: global rank 1's all_gather_into_tensor is refused (a wrong output size), the others' is
-    posted; rank 1's next all_reduce must not pair with it.  The others' all_gather times out naming itself, rank
-    1's all_reduce waits naming the refused call, and nobody gets wrong numbers."""
+    posted; rank 1's next all_reduce must not pair with it.  Rank 1 waits at that call for the others' refusals
+    (bounded by the group's timeout here), never posting it; the others' all_gather times out naming itself, and
+    nobody gets wrong numbers."""
     needs_two()
     g = dist.new_group(list(range(SIZE)), group_desc="refusing")
     out = np.full(SIZE * 2, -1.0, np.float32)
     mine = np.full(2, float(RANK + 1), np.float32)
-    gathered = refused = reduced = None
+    ones = np.ones(3, np.float32)
+    gathered = w = refused = reduced = later = waited = None
     if RANK == 1:
+        group_timeout(0.3)
         refused = outcome(lambda: dist.all_gather_into_tensor(np.zeros(SIZE * 2 + 1, np.float32), mine, group=g))
+        reduced = outcome(lambda: dist.all_reduce(ones, group=g, async_op=True))
+        later = outcome(lambda: dist.barrier(group=g))
     else:
         gathered = dist.all_gather_into_tensor(out, mine, group=g, async_op=True)
-    ones = np.ones(3, np.float32)
-    w = dist.all_reduce(ones, group=g, async_op=True)
-    assert w is not None
-    waited = outcome(lambda: (gathered if gathered is not None else w).wait(timeout=0.3))
+        w = dist.all_reduce(ones, group=g, async_op=True)
+        waited = outcome(lambda: gathered.wait(timeout=0.3))  # type: ignore[union-attr]
     MPI.COMM_WORLD.Barrier()  # every rank has timed out before rank 1 makes the others' calls whole
     if RANK == 1:  # the refused call, made whole by hand, and the all_reduce the others posted
         g.comm.Iallgather([mine, MPI.FLOAT], [np.zeros(SIZE * 2, np.float32), MPI.FLOAT]).Wait()
         g.comm.Iallreduce(MPI.IN_PLACE, [np.ones(3, np.float32), MPI.FLOAT], MPI.SUM).Wait()
-        dist.destroy_process_group(g)
-        reduced = outcome(lambda: w.wait(timeout=WAIT))  # never posted: the group is gone
     else:
-        assert gathered is not None and gathered.wait(timeout=WAIT) and w.wait(timeout=WAIT)
-        dist.destroy_process_group(g)
-    assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
+        assert gathered is not None and gathered.wait(timeout=WAIT) and w is not None and w.wait(timeout=WAIT)
+    dist.destroy_process_group(g)
     if RANK == 1:
         assert isinstance(refused, ValueError)
-        assert "not posted yet: this rank refused its collective #1 (all_gather_into_tensor)" in waited.pending[0]
-        assert isinstance(reduced, dist.CommunicationError) and "was destroyed before its members agreed" in str(
-            reduced
-        ), repr(reduced)
+        assert isinstance(reduced, dist.CommunicationTimeout), repr(reduced)
+        assert reduced.pending[0].startswith("all_reduce (SUM, float32, 12 bytes) on group 'refusing'")
+        assert "not posted yet: this rank refused its collective #1 (all_gather_into_tensor)" in reduced.pending[0]
+        assert isinstance(later, dist.CommunicationError) and "the members are out of step" in str(later), repr(later)
         np.testing.assert_array_equal(ones, 1.0)  # never reduced with anything else
     else:
+        assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
         assert waited.pending[0].startswith("all_gather_into_tensor (float32, 8 bytes) on group 'refusing'")
         expected = np.repeat(np.arange(1.0, SIZE + 1, dtype=np.float32), 2)
         np.testing.assert_array_equal(out, expected)  # rank 1's block is its input, once it is really sent
         np.testing.assert_array_equal(ones, float(SIZE))
 
 
-def test_members_that_refused_different_calls_are_out_of_step(unchecked: None) -> None:
-    """Global rank 0 refuses the group's first collective, the others its second: once they compare, every member
-    raises, naming who refused what, and the group posts nothing more."""
+def test_members_that_refused_different_calls_are_out_of_step(
+    unchecked: None, group_timeout: Callable[[float], None]
+) -> None:
+    """Global rank 0 refuses the group's first collective, the others its second: once they compare, at the next
+    call, every member raises, naming who refused what, and the group posts nothing more."""
     needs_two()
+    group_timeout(WAIT)  # a regression fails instead of hanging
     g = dist.new_group(list(range(SIZE)), group_desc="apart")
     first = np.ones(2)
     posted = None
     if RANK == 0:
         outcome(lambda: dist.all_reduce(np.ones(2), "sum", group=g))  # call 1, refused
-        pending = [dist.all_reduce(np.ones(2), group=g, async_op=True)]  # call 2: compares first
+        compared = outcome(lambda: dist.all_reduce(np.ones(2), group=g, async_op=True))  # call 2: compares first
     else:
         posted = dist.all_reduce(first, group=g, async_op=True)  # call 1, posted
         outcome(lambda: dist.all_reduce(np.ones(2), "sum", group=g))  # call 2, refused
-        pending = [dist.all_reduce(np.ones(2), group=g, async_op=True)]  # call 3: compares first
-    errors = [outcome(lambda w=w: w.wait(timeout=WAIT)) for w in pending]  # type: ignore[misc]
+        compared = outcome(lambda: dist.all_reduce(np.ones(2), group=g, async_op=True))  # call 3: compares first
     later = outcome(lambda: dist.barrier(group=g))
     if RANK == 0:  # make the others' posted call 1 whole, by hand
         g.comm.Iallreduce(MPI.IN_PLACE, [np.ones(2), MPI.DOUBLE], MPI.SUM).Wait()
     else:
         assert posted is not None and posted.wait(timeout=WAIT)
     dist.destroy_process_group(g)
-    others = ", ".join(map(str, OTHERS))
     text = (
         f"the members are out of step: they refused different collectives (global rank 0 refused collective #1 "
         f"(all_reduce); {'; '.join(f'global rank {r} refused collective #2 (all_reduce)' for r in OTHERS)})"
     )
-    for error in (*errors, later):
+    for error in (compared, later):
         assert isinstance(error, dist.CommunicationError), repr(error)
         assert text in str(error), str(error)
         assert "make a new group with new_group() on every member" in str(error)
-    assert others
 
 
 def test_a_truncated_broadcast_names_the_cause(unchecked: None) -> None:
@@ -434,31 +468,128 @@ def test_a_truncated_broadcast_names_the_cause(unchecked: None) -> None:
         assert error is None
 
 
-def test_a_call_refused_on_one_member_and_never_made_on_the_others_holds_it_until_forgotten(unchecked: None) -> None:
+def test_a_call_refused_on_one_member_and_never_made_on_the_others_holds_it_until_forgotten(
+    unchecked: None, group_timeout: Callable[[float], None]
+) -> None:
     """Rank 0 refuses a collective the others never make: nothing was posted, but rank 0 cannot tell the others
-    did not post it, so its next collective waits (and theirs with it).  ``collcheck.forget`` on every member, where
-    the program knows nothing is left posted, puts them back in step."""
+    did not post it, so its next collective waits for their refusals (until the group's timeout here).
+    ``collcheck.forget`` on every member, where the program knows nothing is left posted, puts them back in step."""
     needs_two()
     g = dist.new_group(list(range(SIZE)), group_desc="skipped")
-    if RANK == 0:
-        assert isinstance(outcome(lambda: dist.all_reduce(np.zeros(1), "sum", group=g)), TypeError)
     t = np.ones(2)
-    w = dist.all_reduce(t, group=g, async_op=True)
-    assert w is not None
-    waited = outcome(lambda: w.wait(timeout=0.2))
+    w = held = waited = None
+    if RANK == 0:
+        group_timeout(0.2)
+        assert isinstance(outcome(lambda: dist.all_reduce(np.zeros(1), "sum", group=g)), TypeError)
+        held = outcome(lambda: dist.all_reduce(t, group=g, async_op=True))
+    else:
+        w = dist.all_reduce(t, group=g, async_op=True)
+        assert w is not None
+        waited = outcome(lambda: w.wait(timeout=0.2))  # type: ignore[union-attr]
     MPI.COMM_WORLD.Barrier()  # every rank has timed out
     collcheck.forget(g)
-    again = np.ones(2)
-    if RANK == 0:  # its held-back all_reduce failed; this one matches the others' posted one
-        forgotten = outcome(lambda: w.wait(timeout=WAIT))
-        dist.all_reduce(again, group=g)
+    if RANK == 0:  # back in step: this one matches the others' posted one
+        dist.all_reduce(t, group=g)
     else:
-        assert w.wait(timeout=WAIT)
+        assert w is not None and w.wait(timeout=WAIT)
+    assert dist.all_reduce(np.ones(1), group=g) is None  # and the group goes on
     dist.destroy_process_group(g)
-    assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
+    assert t.tolist() == [float(SIZE)] * 2
     if RANK == 0:
-        assert "not posted yet: this rank refused its collective #1 (all_reduce)" in waited.pending[0]
-        assert isinstance(forgotten, dist.CommunicationError) and "were forgotten" in str(forgotten), repr(forgotten)
-        assert again.tolist() == [float(SIZE)] * 2 and t.tolist() == [1.0, 1.0]
+        assert isinstance(held, dist.CommunicationTimeout), repr(held)
+        assert "not posted yet: this rank refused its collective #1 (all_reduce)" in held.pending[0]
     else:
-        assert t.tolist() == [float(SIZE)] * 2
+        assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
+
+
+def test_a_communicator_wrapped_on_one_rank_leaves_the_groups_reconciling_alike(
+    unchecked: None, group_timeout: Callable[[float], None]
+) -> None:
+    """``group_from_comm`` wraps a communicator without the other ranks: a group wrapped on rank 0 only must not
+    change how the groups the package makes are told apart, or their reconciliations would never meet."""
+    group_timeout(WAIT)
+    if RANK == 0:
+        dist.group_from_comm(MPI.COMM_WORLD, name="wrapped here only")
+    g = dist.new_group(list(range(SIZE)), group_desc="made after")
+    identities = MPI.COMM_WORLD.allgather(g.identity)
+    assert isinstance(outcome(lambda: dist.all_reduce(np.ones(2), "sum", group=g)), TypeError)  # every rank
+    t = np.full(2, float(RANK + 1))
+    dist.all_reduce(t, group=g)  # reconciles first
+    back = g.steps is None
+    dist.destroy_process_group(g)
+    assert len(set(identities)) == 1, identities
+    assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 2 and back
+
+
+def test_threads_with_a_group_each_check_and_post_alike(checked: None) -> None:
+    """Two threads per rank, each calling collectives on a group of its own, in checked mode: one thread's wait for
+    the records never holds the other's back, and every result is right."""
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("threads calling MPI at once need MPI_THREAD_MULTIPLE")
+    pair = [dist.new_group(list(range(SIZE)), group_desc=f"thread {i}") for i in range(2)]
+    results: list[list[float]] = [[], []]
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for step in range(20):
+                t = np.full(3, float(RANK + step + i))
+                w = dist.all_reduce(t, group=pair[i], async_op=step % 2 == 0)
+                if w is not None:
+                    w.wait(timeout=WAIT)
+                results[i].append(float(t[0]))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    alive = any(thread.is_alive() for thread in threads)
+    if not alive:
+        for g in pair:
+            dist.destroy_process_group(g)
+    assert not alive and not failures, failures
+    base = SIZE * (SIZE - 1) / 2
+    for i in range(2):
+        assert results[i] == [base + SIZE * (step + i) for step in range(20)]
+
+
+def test_the_world_made_again_keeps_what_a_member_refused(
+    unchecked: None, group_timeout: Callable[[float], None]
+) -> None:
+    """``destroy_process_group()`` and ``init_process_group()`` keep the world's communicator, so the collective the
+    others posted for a call rank 1 refused is still pending there: rank 1's next collective still waits for their
+    refusals instead of matching it."""
+    needs_two()
+    mine = np.full(2, float(RANK + 1), np.float32)
+    out = np.zeros(SIZE * 2, np.float32)
+    gathered = held = waited = None
+    if RANK == 1:
+        assert isinstance(outcome(lambda: dist.all_gather_into_tensor(np.zeros(1, np.float32), mine)), ValueError)
+    else:
+        gathered = dist.all_gather_into_tensor(out, mine, async_op=True)
+    dist.destroy_process_group()
+    dist.init_process_group(check=False)
+    ones = np.ones(2)
+    if RANK == 1:
+        group_timeout(0.3)
+        held = outcome(lambda: dist.all_reduce(ones))
+    else:
+        waited = outcome(lambda: gathered.wait(timeout=0.3))  # type: ignore[union-attr]
+    MPI.COMM_WORLD.Barrier()
+    if RANK == 1:  # the refused call, made whole by hand
+        dist.group.WORLD.comm.Iallgather([mine, MPI.FLOAT], [np.zeros(SIZE * 2, np.float32), MPI.FLOAT]).Wait()
+    else:
+        assert gathered is not None and gathered.wait(timeout=WAIT)
+    collcheck.forget(dist.group.WORLD)  # nothing is left posted: back in step
+    total = in_step()
+    assert total == SIZE * (SIZE + 1) / 2
+    np.testing.assert_array_equal(ones, 1.0)
+    if RANK == 1:
+        assert isinstance(held, dist.CommunicationTimeout), repr(held)
+        assert re.search(r"this rank refused its collective #\d+ \(all_gather_into_tensor\)", held.pending[0]), held
+    else:
+        assert isinstance(waited, dist.CommunicationTimeout), repr(waited)
+        np.testing.assert_array_equal(out, np.repeat(np.arange(1.0, SIZE + 1, dtype=np.float32), 2))

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from world import RANK, SIZE, WAIT, exchange_and_check, read_only
 
 import tensorplay_p2p as dist
-from tensorplay_p2p import collcheck, devices, work
+from tensorplay_p2p import devices, work
 from tensorplay_p2p.reductions import RedOpType, ReduceOp
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -416,6 +416,8 @@ def test_subgroups_and_non_members() -> None:
 def test_async_collective_completes_in_wait_after_point_to_point() -> None:
     """Rank r > 0 receives from r - 1 before it posts; rank 0 posts first, then sends: a collective that blocked
     at its call would deadlock the chain."""
+    if dist.checked_mode():
+        pytest.skip("checked mode waits at the call for every member's record (as torch's DETAIL does): by design")
     t = np.full(4, float(RANK + 1))
     token = np.zeros(1)
     if RANK > 0:
@@ -438,9 +440,7 @@ def test_a_dropped_handle_keeps_its_buffers_until_it_completes(kind: ArrayKind) 
     mine = kind.make((2, 2), "float32", RANK)
     dist.all_gather_into_tensor(kind.view(base, (slice(None), slice(None), slice(None, None, 2))), mine, async_op=True)
     deadline = time.monotonic() + WAIT
-    # in checked mode it is queued until the members agree: the group's next call (or the exit) moves the queue on
-    while dist.group.WORLD.steps is not None or any(isinstance(h, dist.CollectiveWork) for h in work.dropped):
-        collcheck.advance(dist.group.WORLD)  # what the next call on the group does
+    while any(isinstance(h, dist.CollectiveWork) for h in work.dropped):
         work.reap_dropped()  # what the next post does
         assert time.monotonic() < deadline, "the dropped collective never completed"
         time.sleep(1e-4)
@@ -451,6 +451,8 @@ def test_a_dropped_handle_keeps_its_buffers_until_it_completes(kind: ArrayKind) 
 
 @pytest.mark.mpi(min_size=2)
 def test_a_collective_one_rank_never_joins_times_out_naming_it() -> None:
+    if dist.checked_mode():  # test_collective_checks.py has checked mode's
+        pytest.skip("checked mode waits at the call for every member's record: the others would wait for rank 0 there")
     g = dist.new_group(list(range(SIZE)), group_desc="late")
     t = np.full(2, float(RANK))
     outcome: BaseException | None = None

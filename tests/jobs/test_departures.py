@@ -16,15 +16,18 @@ ENDS_WITHIN = 20.0  # seconds for a whole job whose wait is ended; about 2.5 s h
 HANG = 45.0  # a job still running after this hangs (as every one of these did before their ranks could leave)
 
 # Rank 1 leaves (its program ends) while rank 0 waits for it: in the compiled engine's blocking receive (the GIL
-# released), and in a collective's wait with a timeout (Python, sleeping between tests).  tests/test_departures.py
+# released), in a collective's wait with a timeout (Python, sleeping between tests), and at a checked-mode call
+# waiting for the members' records.  tests/test_departures.py
 # checks what every other kind of wait needs; test_departures_frameworks.py the waits of torch and TensorPlay.
 WAITS = {
     "recv": "dist.recv(np.zeros(4), src=1, tag=3)",
     "all_gather-timeout": "dist.all_gather_into_tensor(np.zeros(8), np.zeros(4), async_op=True).wait(timeout=600)",
+    "all_reduce-checked": "dist.init_process_group(check=True); dist.all_reduce(np.zeros(4), async_op=True)",
 }
 EXPECTED = {
     "recv": "irecv from rank 1 (group rank 1), tag 3, 32 bytes, group 'WORLD', pending for",
     "all_gather-timeout": "all_gather_into_tensor (float64, 32 bytes) on group 'WORLD' of size 2",
+    "all_reduce-checked": "not posted yet: checked mode: waiting for every member's record of its call",
 }
 
 
