@@ -578,3 +578,6 @@ def forget(pg: ProcessGroup) -> None:
         return
     pg.steps = None
     groups.renew_identity(pg)
+
+
+groups.world_made_again = forget  # init_process_group after destroy_process_group: a new world starts in step

@@ -207,6 +207,9 @@ def renew_identity(pg: ProcessGroup) -> None:
     pg.identity = zlib.crc32(f"{pg.identity} renewed".encode())
 
 
+world_made_again: Callable[[ProcessGroup], None] = renew_identity  # ``collcheck.forget`` once it is imported
+
+
 class GroupMember:
     """Sentinels as in torch.distributed: ``WORLD`` and ``NON_GROUP_MEMBER``."""
 
@@ -559,8 +562,10 @@ def destroy_all() -> None:
 
 def revive_world() -> None:
     global _pg_count
-    GroupMember.WORLD._bind(MPI.COMM_WORLD)
-    renew_identity(GroupMember.WORLD)  # every rank does it: a reconciliation sent before never matches
+    world = GroupMember.WORLD
+    world._bind(MPI.COMM_WORLD)
+    world.calls = 0  # every rank makes the world again at the same point: a new world starts in step, as a new
+    world_made_again(world)  # group does (``collcheck.forget``: unless a check's collective is still pending on it)
     _pg_count = 1
 
 
