@@ -1,7 +1,7 @@
 """Shared fixtures: the tensor-kind parametrisation, a teardown barrier, and rank-aware reporting.
 
-Under mpiexec every rank runs the same tests.  Rank 0 reports as usual; the other ranks
-print only their failures (prefixed with the rank), so the output stays readable.
+Under mpiexec every rank runs the same tests.  Rank 0 reports as usual (and alone writes a --junitxml report); the
+other ranks print only their failures (prefixed with the rank), so the output stays readable.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ def pytest_configure(config: pytest.Config) -> None:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+        # --junitxml: rank 0 writes the report; every rank writing the one file made it unreadable
+        from _pytest.junitxml import xml_key
+
+        xml = config.stash.get(xml_key, None)
+        if xml is not None:
+            del config.stash[xml_key]
+            config.pluginmanager.unregister(xml)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
