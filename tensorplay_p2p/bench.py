@@ -153,10 +153,10 @@ def comma_list(
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m tensorplay_p2p.bench``."""
+def build_parser(prog: str = "python -m tensorplay_p2p.bench") -> argparse.ArgumentParser:
+    """The command line of ``python -m tensorplay_p2p.bench`` (``tensorplay-p2p bench``: ``prog``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tensorplay_p2p.bench",
+        prog=prog,
         description="OSU-style P2P benchmarks of tensorplay_p2p against raw mpi4py and torch.distributed gloo "
         "(run under mpiexec; results are printed by rank 0).",
     )
@@ -210,9 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Config:
-    """Parse the command line into a Config (argparse exits on errors and --help)."""
-    parser = build_parser()
+def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Config:
+    """Parse the command line into a Config (argparse exits on errors and --help); ``prog`` names the command."""
+    parser = build_parser() if prog is None else build_parser(prog)
     args = parser.parse_args(argv)
     if not 1 <= args.min_size <= args.max_size:
         parser.error("need 1 <= --min-size <= --max-size")
@@ -1493,14 +1493,15 @@ def merge(directories: Sequence[Path]) -> tuple[dict[str, Any], list[Result]]:
     return meta, results
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point: measure, print the tables (rank 0), write the files; returns the exit status."""
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Command-line entry point: measure, print the tables (rank 0), write the files; returns the exit status.
+    ``prog`` names the command in the usage (``tensorplay-p2p bench``)."""
     if "--profile" in (sys.argv[1:] if argv is None else argv):
-        build_parser().parse_args(argv)  # --help and errors as for any other run
+        parse_args(argv, prog)  # --help and errors as for any other run
         if COMM.Get_rank() == 0:
             print(costs.report(costs.profile()), flush=True)
         return 0
-    config = parse_args(argv)
+    config = parse_args(argv, prog)
     if "--merge" in (sys.argv[1:] if argv is None else argv):
         meta, results = merge(build_parser().parse_args(argv).merge)
     else:

@@ -282,7 +282,7 @@ def _selftest(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    return bench.main(list(args.args))
+    return bench.main(list(args.args), prog="tensorplay-p2p bench")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--timeout", type=float, default=60.0, help="seconds each check may wait (default 60)")
     selftest.set_defaults(handler=_selftest)
     bench = commands.add_parser("bench", help="OSU-style benchmarks (arguments as python -m tensorplay_p2p.bench)")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="benchmark arguments (see bench --help)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="benchmark arguments (tensorplay-p2p bench --help)")
     bench.set_defaults(handler=_bench)
     run = commands.add_parser("run", help="run a script; an exception on any rank aborts the whole job")
     run.add_argument("args", nargs=argparse.REMAINDER, help="script.py [args...] | -m module | -c code")
@@ -316,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tensorplay-p2p`` and ``python -m tensorplay_p2p``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("bench", "run") and argv[1:2] not in (["-h"], ["--help"]):
-        # everything after the subcommand belongs to it, options included (argparse would claim them)
+    if argv and (argv[0] == "bench" or (argv[0] == "run" and argv[1:2] not in (["-h"], ["--help"]))):
+        # everything after the subcommand belongs to it, options included (argparse would claim them); bench's own
+        # parser answers its --help, with every option
         forward = {"bench": _bench, "run": _run}[argv[0]]
         return forward(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)

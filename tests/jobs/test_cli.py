@@ -62,6 +62,14 @@ def test_bench_and_run_subcommands() -> None:
     assert script.returncode == 0 and sorted(script.stdout.splitlines()) == ["rank 0", "rank 1"], script.stdout
 
 
+def test_bench_help_shows_the_benchmarks_options() -> None:
+    done = run([*CLI, "bench", "--help"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: tensorplay-p2p bench"), done.stdout
+    for option in ("--patterns", "--impls", "--max-size", "--reps", "--out"):
+        assert option in done.stdout
+
+
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["info", "--nope"], ["selftest", "--timeout", "soon"]])
 def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     done = run([*CLI, *argv])
