@@ -107,7 +107,7 @@ class CollectiveWork:
                 backend = profiling.backend_name(group, shown[0] if shown else None)
                 self._profiled = profiling.start(backend, _EVENTS.get(name, name), shown)
         except BaseException as exc:
-            self._settle(CommunicationError(f"{self.describe()}: not posted", op=name))
+            self._settle(self._unposted())
             collcheck.refused(group, name, exc)
             raise
         if group.steps is None and (call is None or group.size() == 1):  # the common path: posted now
@@ -120,7 +120,7 @@ class CollectiveWork:
                 if call is not None and group.size() > 1:
                     collcheck.agree(group, name, call, self.describe(), timeout)
             except BaseException:
-                self._settle(CommunicationError(f"{self.describe()}: not posted", op=name))
+                self._settle(self._unposted())
                 raise
             self._start(comm, post)
 
@@ -137,12 +137,16 @@ class CollectiveWork:
             collcheck.mark_refused(self._group, self._name)
             raise error from exc
         except BaseException:
-            self._not_posted(CommunicationError(f"{self.describe()}: not posted", op=self._name))
+            self._not_posted(self._unposted())
             collcheck.mark_refused(self._group, self._name)
             raise
         self._state = _PENDING
         if watchdog.active:
             watchdog.track(self)
+
+    def _unposted(self) -> CommunicationError:
+        """The error of a collective that an exception stopped before it was posted (the exception is raised)."""
+        return CommunicationError(f"{self.describe()}: not posted", op=self._name)
 
     def _not_posted(self, error: CommunicationError) -> None:
         self._exception = error

@@ -7,7 +7,6 @@ records what happened and asserts after its last collective, so that every rank 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from arraykinds import ArrayKind, values
 from mpi4py import MPI
-from world import RANK, SIZE, WAIT, exchange_and_check
+from world import RANK, SIZE, WAIT, exchange_and_check, in_threads
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import collcheck
@@ -527,25 +526,16 @@ def test_threads_with_a_group_each_check_and_post_alike(checked: None) -> None:
         pytest.skip("threads calling MPI at once need MPI_THREAD_MULTIPLE")
     pair = [dist.new_group(list(range(SIZE)), group_desc=f"thread {i}") for i in range(2)]
     results: list[list[float]] = [[], []]
-    failures: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            for step in range(20):
-                t = np.full(3, float(RANK + step + i))
-                w = dist.all_reduce(t, group=pair[i], async_op=step % 2 == 0)
-                if w is not None:
-                    w.wait(timeout=WAIT)
-                results[i].append(float(t[0]))
-        except BaseException as exc:
-            failures.append(exc)
+        for step in range(20):
+            t = np.full(3, float(RANK + step + i))
+            w = dist.all_reduce(t, group=pair[i], async_op=step % 2 == 0)
+            if w is not None:
+                w.wait(timeout=WAIT)
+            results[i].append(float(t[0]))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-    alive = any(thread.is_alive() for thread in threads)
+    failures, alive = in_threads(run, 2)
     if not alive:
         for g in pair:
             dist.destroy_process_group(g)

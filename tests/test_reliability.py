@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check
+from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check, in_threads
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import devices, layouts, work
@@ -99,29 +99,21 @@ def test_hundred_thousand_small_exchanges_keep_memory_flat() -> None:
 def test_four_threads_per_rank_exchange_concurrently() -> None:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         pytest.skip("the MPI library does not provide MPI_THREAD_MULTIPLE")
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for step in range(200):
-                into = np.zeros(3)
-                value = 1000.0 * t + step
-                dist.batch_isend_irecv(
-                    [
-                        dist.P2POp(dist.isend, np.full(3, value + RANK), NEXT, tag=100 + t),
-                        dist.P2POp(dist.irecv, into, PREV, tag=100 + t),
-                    ]
-                ).wait(timeout=WAIT)
-                np.testing.assert_array_equal(into, np.full(3, value + PREV))
-        except BaseException as exc:
-            errors.append(exc)
+        for step in range(200):
+            into = np.zeros(3)
+            value = 1000.0 * t + step
+            dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, np.full(3, value + RANK), NEXT, tag=100 + t),
+                    dist.P2POp(dist.irecv, into, PREV, tag=100 + t),
+                ]
+            ).wait(timeout=WAIT)
+            np.testing.assert_array_equal(into, np.full(3, value + PREV))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    errors, alive = in_threads(worker, 4)
+    assert not errors and not alive, errors[0] if errors else "a thread is still running"
 
 
 def test_second_thread_is_refused_when_the_library_is_not_thread_multiple(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,26 @@ def exchange_and_check(tag: int, value: float) -> None:
         ]
     ).wait(timeout=WAIT)
     np.testing.assert_array_equal(into, np.full(4, value + PREV))
+
+
+def in_threads(work: Callable[[int], None], count: int, seconds: float = WAIT) -> tuple[list[BaseException], bool]:
+    """Run ``work(i)`` in ``count`` threads at once: what they raised, and whether one is still running after
+    ``seconds`` (stuck in a wait: the caller must not destroy what it uses)."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return errors, any(thread.is_alive() for thread in threads)
 
 
 def wait_or_cancel(works: dist.Work | Iterable[dist.Work | None] | None, seconds: float = WAIT) -> None:
