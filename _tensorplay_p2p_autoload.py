@@ -7,7 +7,7 @@ be trivial and must never raise: it imports nothing of tensorplay_p2p (importing
 
 What it registers:
 
-* the backend ``tp2p`` (``init_process_group("tp2p")``), created by ``tensorplay_p2p.torch.backend.create``;
+* the backend ``tp2p`` (``init_process_group("tp2p")``), created by ``tensorplay_p2p.torch._backend.create``;
 * the rendezvous ``mpi://`` (``init_method="mpi://"``): rank and size from MPI, a TCPStore set up over MPI;
 * behind torch's ``env://`` (the default ``init_method``), the same MPI rendezvous, only where a process was started
   by an MPI launcher and ``RANK`` is not set; wherever ``RANK`` is set (torchrun, a hand-written environment),
@@ -63,15 +63,15 @@ def register() -> None:
 
 
 def _create(options: Any, pg_options: Any) -> Any:
-    from tensorplay_p2p.torch import backend
+    from tensorplay_p2p.torch import _backend
 
-    return backend.create(options, pg_options)
+    return _backend.create(options, pg_options)
 
 
 def _mpi_handler(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    from tensorplay_p2p.torch import rendezvous
+    from tensorplay_p2p.torch import _rendezvous
 
-    return rendezvous.mpi_rendezvous(url, **kwargs)
+    return _rendezvous.mpi_rendezvous(url, **kwargs)
 
 
 def _env_or_mpi(torch_env: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Build the optional compiled accelerator, tensorplay_p2p._accel (the metadata is in setup.cfg)."""
+"""Build the optional compiled accelerator, tensorplay_p2p._src.engine._accel (the metadata is in setup.cfg)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError, LinkError
 
 PACKAGE = "tensorplay_p2p"
+ENGINE = "tensorplay_p2p._src.engine"  # the engine's folder: the extension and buildinfo.py go here
+ENGINE_DIR = ENGINE.replace(".", "/")
 VERSION_MACROS = (("I_MPI_VERSION", "Intel MPI"), ("MVAPICH2_VERSION", "MVAPICH2"), ("MVAPICH_VERSION", "MVAPICH"))
 RPATH_FLAGS = ("-Wl,-rpath,", "-Wl,-rpath=", "-Wl,-R", "-Wl,--enable-new-dtags", "-Wl,--disable-new-dtags")
 
@@ -117,9 +119,9 @@ def use_command(executable: list[str], command: list[str]) -> list[str]:
 def describe(exc: Exception) -> str:
     """Why the build failed, in one line (the compiler's own messages are in the build log)."""
     if isinstance(exc, CompileError):
-        return f"compile error in {PACKAGE}/_accel.c"
+        return f"compile error in {ENGINE_DIR}/_accel.c"
     if isinstance(exc, LinkError):
-        return f"link error for {PACKAGE}._accel"
+        return f"link error for {ENGINE}._accel"
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -185,14 +187,14 @@ class BuildAccel(build_ext):
 
     def buildinfo_paths(self) -> list[str]:
         """Where buildinfo.py goes: the build directory, and the source tree for an in-place build."""
-        paths = [os.path.join(self.build_lib, PACKAGE, "buildinfo.py")]
+        paths = [os.path.join(self.build_lib, ENGINE_DIR, "buildinfo.py")]
         if self.inplace:
-            source = self.get_finalized_command("build_py").get_package_dir(PACKAGE)
+            source = self.get_finalized_command("build_py").get_package_dir(ENGINE)
             paths.append(os.path.join(source, "buildinfo.py"))
         return paths
 
     def write_buildinfo(self) -> None:
-        """Record the build's outcome for tensorplay_p2p.engine."""
+        """Record the build's outcome for the engine's selection (tensorplay_p2p._src.engine)."""
         lines = [
             '"""How the compiled accelerator was built: written by setup.py at install (not in version control)."""',
             "",
@@ -205,10 +207,10 @@ class BuildAccel(build_ext):
 
     def get_outputs(self) -> list[str]:
         """The extension (when built) and buildinfo.py."""
-        return [*super().get_outputs(), os.path.join(self.build_lib, PACKAGE, "buildinfo.py")]
+        return [*super().get_outputs(), os.path.join(self.build_lib, ENGINE_DIR, "buildinfo.py")]
 
 
 setup(
-    ext_modules=[Extension(f"{PACKAGE}._accel", [f"{PACKAGE}/_accel.c"])],
+    ext_modules=[Extension(f"{ENGINE}._accel", [f"{ENGINE_DIR}/_accel.c"])],
     cmdclass={"build_ext": BuildAccel},
 )

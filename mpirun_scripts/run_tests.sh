@@ -29,7 +29,7 @@
 #   TP2P_STRESS_SHARE   1/k of test_reliability's 100 000-exchange memory test (and of its allowance) in the runs at 3
 #                       ranks or more, checked and network ones included (default 4; the runs at 1 and 2 do them all)
 #   TP2P_TIMEOUT        seconds allowed for each mpiexec (default 300): a deadlock fails, it does not hang
-#   TP2P_EXPECT_ENGINE  "compiled" or "python": the engine the runs must be on (tests/test_lean.py; default: either)
+#   TP2P_EXPECT_ENGINE  "compiled" or "python": the engine the runs must be on (tests/engine/test_lean_path.py; default: either)
 #   MPIEXEC             launcher (default: mpiexec on PATH); PYTHON  interpreter (default: python)
 #
 # Exit status is non-zero if anything fails or times out.  The last line sums every pytest run.
@@ -78,7 +78,7 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
     check "pytest at $n rank(s)${label:+ ($label)}" $?
 }
 
-echo "=== engine: $("$python" -c 'import tensorplay_p2p.engine as e; print(e.reason)')${label:+ ($label)} ==="
+echo "=== engine: $("$python" -c 'import tensorplay_p2p.config as c; print(c.engine_reason)')${label:+ ($label)} ==="
 for n in $sizes; do  # the memory test's 100 000 exchanges at 1 and 2 ranks; from 3 up, 1/TP2P_STRESS_SHARE of them
     TP2P_STRESS_SHARE=$([ "$n" -ge 3 ] && echo "$stress_share" || echo 1) mpi_pytest "$label" "$n" -- "$@"
 done

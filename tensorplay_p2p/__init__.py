@@ -7,8 +7,10 @@ for ``monitored_barrier``, and once more for the watch on ranks that leave (``de
 
 from __future__ import annotations
 
-from .cart import CartGroup, new_cart_group
-from .collectives import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._src.collectives.api import (
     CollectiveWork,
     ReduceOp,
     all_gather,
@@ -29,8 +31,15 @@ from .collectives import (
     reduce_scatter_tensor,
     scatter,
 )
-from .devices import CudaSupport, cuda_support
-from .errors import (
+from ._src.collectives.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
+from ._src.errors import (
     CollectiveMismatchError,
     CommunicationError,
     CommunicationTimeout,
@@ -41,7 +50,13 @@ from .errors import (
     MessageMismatchError,
     MessageSizeError,
 )
-from .groups import (
+from ._src.memory.devices import CudaSupport, cuda_support
+from ._src.p2p.ops import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from ._src.p2p.work import BatchWork, Work
+from ._src.persistent.cart import CartGroup, new_cart_group
+from ._src.persistent.halo import HaloExchange
+from ._src.persistent.plan import P2PPlan
+from ._src.process.groups import (
     GroupMember,
     ProcessGroup,
     get_global_rank,
@@ -57,18 +72,7 @@ from .groups import (
     new_subgroups_by_enumeration,
     split_group,
 )
-from .halo import HaloExchange
-from .objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
-from .ops import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .plan import P2PPlan
-from .runtime import (
+from ._src.process.runtime import (
     checked_mode,
     destroy_process_group,
     get_backend,
@@ -79,9 +83,8 @@ from .runtime import (
     is_mpi_available,
     tag_upper_bound,
 )
-from .work import BatchWork, Work
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BatchWork",
@@ -156,3 +159,14 @@ __all__ = [
     "split_group",
     "tag_upper_bound",
 ]
+
+_ALIASES = ("devices", "engine", "layouts")  # version 0.1's documented paths into internals, deprecated (docs/api.md)
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any attribute of the package as valid
+
+    def __getattr__(name: str) -> Any:
+        """``tensorplay_p2p.engine.reason`` and the other attribute paths version 0.1 documented: the alias module,
+        which warns as it is imported."""
+        if name in _ALIASES:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from .abort import abort_job
+from ._src.process.abort import abort_job
 
 __all__ = ["main"]
 
@@ -29,7 +29,20 @@ USAGE = "usage: python -m tensorplay_p2p.run (script.py | -m module | -c code) [
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the target named by ``argv`` (default: the command line) with abort-on-exception."""
+    """Run a program as ``python -m tensorplay_p2p.run`` does: an exception on one rank ends the whole job.
+
+    Args:
+        argv: ``script.py [args...]``, ``-m module [args...]`` or ``-c code [args...]``, as for ``python``; None (the
+            default) takes the command line.
+
+    Returns:
+        None, when the program returns or exits with status 0.
+
+    Raises:
+        SystemExit: with the usage, status 2 without arguments, 0 for ``-h``/``--help``.  Nothing else is raised: an
+            uncaught exception (its traceback printed, status 1), an exit with another status, or an unknown option
+            (status 2) ends the whole job through ``MPI_Abort``.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not args else sys.stdout)
@@ -66,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _blocked_threads() -> list[str]:
     """What the rank's other threads wait for in the package's waits, in the watchdog's format (none: nothing)."""
-    if "tensorplay_p2p.signals" not in sys.modules:  # the program has not used the package
+    if "tensorplay_p2p._src.process.signals" not in sys.modules:  # the program has not used the package
         return []
-    from . import signals
+    from ._src.process import signals
 
     me, now = threading.get_ident(), time.monotonic()
     waits = [wait for wait in signals.waits() if wait.thread != me]

@@ -16,7 +16,7 @@ from fakedevice import FakeAdapter, FakeDeviceArray
 from mpi4py import MPI
 from world import RANK
 
-from tensorplay_p2p import devices
+from tensorplay_p2p._src.memory import devices
 
 
 @pytest.hookimpl(trylast=True)

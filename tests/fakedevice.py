@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorplay_p2p.devices import DeviceView
+from tensorplay_p2p._src.memory.devices import DeviceView
 
 STALE = -7
 

@@ -9,16 +9,17 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import pytest
 from arraykinds import ArrayKind, NotZeroCopyError, values
+from deadline import deadline
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
-from tensorplay_p2p.abort import abort_job
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -116,32 +117,16 @@ def await_message(tag: int, group: dist.ProcessGroup | None = None, seconds: flo
     return status.Get_source()
 
 
-@contextlib.contextmanager
-def abort_if_stuck(what: str, capsys: pytest.CaptureFixture[str], seconds: float = ANY_SOURCE_WAIT) -> Iterator[None]:
-    """Abort the whole run, with a report on stderr, if the block takes longer than ``seconds``.
+def abort_if_stuck(
+    what: str, capsys: pytest.CaptureFixture[str], seconds: float = ANY_SOURCE_WAIT
+) -> AbstractContextManager[None]:
+    """Abort the whole run, with a report on stderr, if the block takes longer than ``seconds`` (``deadline``).
 
-    For a blocking call that has no timeout (``recv``): a stuck ``MPI_Recv`` cannot be cancelled, and ending
-    the job in seconds beats hanging until the run's time limit.  Output capture is off inside the block (the
-    test's ``capsys`` fixture), so that the report reaches the terminal.
+    For a blocking call that has no timeout (``recv``): a stuck ``MPI_Recv`` cannot be cancelled, and ending the job
+    in seconds beats hanging until the run's time limit.
     """
-    done = threading.Event()
-
-    def watch() -> None:
-        if not done.wait(seconds):
-            abort_job(
-                f"\n[rank {RANK}] tests: {what} did not return within {seconds:g} s; aborting the run "
-                "(is this MPI's any-source receive broken? see docs/troubleshooting.md)\n",
-                1,
-            )
-
-    with capsys.disabled():
-        watcher = threading.Thread(target=watch, name="abort-if-stuck", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            done.set()
-            watcher.join()
+    why = "is this MPI's any-source receive broken? see docs/troubleshooting.md"
+    return deadline(what, seconds, why=why, uncaptured=capsys.disabled)
 
 
 def size_error(sent: np.ndarray, expects: np.ndarray, where: str = "") -> str:

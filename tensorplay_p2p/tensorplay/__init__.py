@@ -16,9 +16,9 @@ See docs/tensorplay.md.
 
 from __future__ import annotations
 
-from .backend import ProcessGroupMPI
-from .hook import SUPPORTED_VERSION, UnsupportedTensorPlay, install, installed
-from .work import MPIWork
+from ._backend import ProcessGroupMPI
+from ._hook import SUPPORTED_VERSION, UnsupportedTensorPlay, install, installed
+from ._work import MPIWork
 
 __all__ = ["SUPPORTED_VERSION", "MPIWork", "ProcessGroupMPI", "UnsupportedTensorPlay", "install", "installed"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import _tensorplay_p2p_autoload
 
-from .backend import BACKEND, ProcessGroupTP2P
-from .work import TP2PWork
+from ._backend import BACKEND, ProcessGroupTP2P
+from ._work import TP2PWork
 
 __all__ = ["BACKEND", "ProcessGroupTP2P", "TP2PWork"]
 

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import tensorplay_p2p as dist
-from tensorplay_p2p import devices
+from tensorplay_p2p._src.memory import devices
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()

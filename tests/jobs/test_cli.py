@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_jobs import MPIEXEC, launch_flags
+from launch import MPIEXEC, launch_flags
 
 LIMIT = 120
 

@@ -1,5 +1,5 @@
 """Collectives that leave a rank waiting: a collective refused on one rank, whose next one must not match the
-others' refused one.  Each job is its own bounded mpiexec (``test_jobs.run_job``)."""
+others' refused one.  Each job is its own bounded mpiexec (``launch.run_job``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_jobs import MPIEXEC, run_job
-from test_signals import ENDS_WITHIN, finish, start_job, wait_ready
+from launch import ENDS_WITHIN, MPIEXEC, finish, run_job, start_job, wait_ready
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 

@@ -1,14 +1,14 @@
 """Ranks that leave or time out: a wait on a rank whose program has ended, a timeout the program handles, an exit
-under a thread still blocked in a wait.  Each job is its own bounded mpiexec (see test_jobs)."""
+under a thread still blocked in a wait.  Each job is its own bounded mpiexec (``launch.run_job``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from test_jobs import MPIEXEC, run_job
+from launch import MPIEXEC, run_job
 
-from tensorplay_p2p import departures
+from tensorplay_p2p._src.process import departures
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
@@ -17,7 +17,7 @@ HANG = 45.0  # a job still running after this hangs (as every one of these did b
 
 # Rank 1 leaves (its program ends) while rank 0 waits for it: in the compiled engine's blocking receive (the GIL
 # released), in a collective's wait with a timeout (Python, sleeping between tests), and at a checked-mode call
-# waiting for the members' records.  tests/test_departures.py
+# waiting for the members' records.  tests/process/test_departure_watch.py
 # checks what every other kind of wait needs; test_departures_frameworks.py the waits of torch and TensorPlay.
 WAITS = {
     "recv": "dist.recv(np.zeros(4), src=1, tag=3)",

@@ -8,8 +8,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from launch import MPIEXEC, run_job
 from test_departures import ENDS_WITHIN, HANG, TIMEOUT_JOB, assert_ended, assert_handled
-from test_jobs import MPIEXEC, run_job
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 IMPORTING = 30.0  # seconds more for a job that imports a framework on every rank

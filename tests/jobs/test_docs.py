@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_jobs import bounded, launch_flags
+from launch import bounded, launch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

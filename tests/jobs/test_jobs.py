@@ -6,9 +6,6 @@ limit, and the assertions are on its exit status, its duration and what it wrote
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,73 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import LIMIT, MPIEXEC, run_job
 
-MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
-LIMIT = 90  # seconds; a job that hangs past this fails the test instead of the suite
-
-
-def launch_flags() -> list[str]:
-    version = subprocess.run([MPIEXEC or "mpiexec", "--version"], capture_output=True, text=True).stdout.lower()
-    if "open mpi" in version or "open-rte" in version:
-        return ["--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
-    return []
-
-
-def bounded(command: list[str], cwd: Path, env: dict[str, str], limit: float) -> tuple[int | None, str, float]:
-    """Run ``command`` (an mpiexec line) for at most ``limit`` seconds: (exit status, or None if it ran past the
-    limit and was killed with all of its ranks; stdout and stderr together; seconds)."""
-    start = time.monotonic()
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,  # so that a hung job is ended with all of its ranks
-    )
-    try:
-        output, _ = job.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        return None, output, time.monotonic() - start
-    return job.returncode, output, time.monotonic() - start
-
-
-def run_job(
-    tmp_path: Path,
-    ranks: int,
-    code: str,
-    *,
-    launcher: bool = True,
-    env: dict[str, str] | None = None,
-    limit: float = LIMIT,
-):
-    """Run ``code`` as a script on ``ranks`` ranks; returns (exit status, seconds, stderr); a job still running after
-    ``limit`` seconds is killed with its ranks and ``subprocess.TimeoutExpired`` raised."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(code))
-    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
-    command += ["-m", "tensorplay_p2p.run", str(script)] if launcher else [str(script)]
-    start = time.monotonic()
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        cwd=tmp_path,
-        start_new_session=True,  # its own process group, so that a hung job's ranks can be ended with it
-    )
-    try:
-        stdout, stderr = job.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
-        raise
-    return job.returncode, time.monotonic() - start, stderr + stdout
 
 
 def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path: Path) -> None:
@@ -167,7 +100,7 @@ def test_no_watchdog_no_cost_and_a_clean_exit(tmp_path: Path) -> None:
         """
         import numpy as np
         import tensorplay_p2p as dist
-        from tensorplay_p2p import watchdog
+        from tensorplay_p2p._src.process import watchdog
         assert not watchdog.active and not watchdog.running()
         into = np.zeros(2)
         r = dist.irecv(into, src=1 - dist.get_rank())
@@ -259,12 +192,12 @@ def test_a_dropped_operation_pending_at_exit_is_named(tmp_path: Path) -> None:
 
 def test_a_rank_whose_mpi_abort_hangs_still_ends(tmp_path: Path) -> None:
     """``abort_job``'s fallback: an ``MPI_Abort`` that never returns (stood in for here) ends the rank anyway."""
-    from tensorplay_p2p import abort
+    from tensorplay_p2p._src.process import abort
 
     code = textwrap.dedent(
         """
         import threading, types
-        import tensorplay_p2p.abort as abort
+        import tensorplay_p2p._src.process.abort as abort
         never = types.SimpleNamespace(Abort=lambda code: threading.Event().wait())
         abort.MPI = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_WORLD=never)
         abort.abort_job("the report\\n", 7)

@@ -7,36 +7,17 @@ checks the exit status, the time from the signal to the end, and every rank's re
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from test_jobs import LIMIT, MPIEXEC, launch_flags
+from launch import ENDS_WITHIN, MPIEXEC, finish, launch_flags, start_job, wait_ready
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 OPEN_MPI = "--oversubscribe" in launch_flags()
-ENDS_WITHIN = 5.0  # seconds from the signal to the job's end; measured about 0.8 s here
-
-PREAMBLE = """
-import os, sys, time
-import numpy as np
-import tensorplay_p2p as dist
-rank, size = dist.get_rank(), dist.get_world_size()
-peer = (rank + 1) % size
-
-def ready():
-    with open(f"ready.{rank}.tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(f"ready.{rank}.tmp", f"ready.{rank}")
-"""
 
 # Each blocks in a different wait on a message that is never sent (tag 5 is used by nobody).
 WAITS = {
@@ -71,49 +52,6 @@ EXPECTED = {
     "plan-close": "P2PPlan: irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, item 0 (irecv), group 'WORLD'",
     "halo-wait": "irecv from rank {peer} (group rank {peer}), tag 5, 32 bytes, group 'WORLD', pending for",
 }
-
-
-def start_job(tmp_path: Path, ranks: int, body: str, *, launcher: bool = False) -> subprocess.Popen[str]:
-    script = tmp_path / "job.py"
-    script.write_text(PREAMBLE + textwrap.dedent(body) + "\n")
-    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", str(ranks), sys.executable]
-    command += ["-m", "tensorplay_p2p.run", str(script)] if launcher else [str(script)]
-    return subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-
-
-def wait_ready(job: subprocess.Popen[str], tmp_path: Path, ranks: int) -> list[int]:
-    """The ranks' pids, once every rank has reached its wait (and a little more, so it is inside MPI)."""
-    deadline = time.monotonic() + LIMIT
-    while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
-        if job.poll() is not None or time.monotonic() > deadline:
-            output = job.communicate(timeout=10)[0] if job.poll() is not None else ""
-            _kill(job)
-            pytest.fail(f"the job did not reach its waits:\n{output}")
-        time.sleep(0.05)
-    time.sleep(0.5)
-    return [int((tmp_path / f"ready.{r}").read_text()) for r in range(ranks)]
-
-
-def finish(job: subprocess.Popen[str], signalled: float, pids: list[int]) -> tuple[int, float, str]:
-    """Exit status, seconds from the signal to the end, and the output; ``pids`` are the ranks'."""
-    try:
-        output = job.communicate(timeout=LIMIT)[0]
-    except subprocess.TimeoutExpired:
-        _kill(job, pids)
-        pytest.fail("the job ignored the signal until the test's time limit")
-    return job.returncode, time.monotonic() - signalled, output
-
-
-def _kill(job: subprocess.Popen[str], pids: Sequence[int] = ()) -> None:
-    """End the job: the launcher's process group, and the ranks, which the launcher may have put in groups of
-    their own (left alive, they would spin in their waits and slow every test after this one)."""
-    os.killpg(job.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    job.communicate()
 
 
 def assert_reports(output: str, ranks: int, name: str, wait: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from test_jobs import MPIEXEC, run_job
+from launch import MPIEXEC, run_job
 
 NODES = """
 import numpy as np

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_jobs import MPIEXEC, bounded, launch_flags
+from launch import MPIEXEC, bounded, launch_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / "tests" / "torchprograms"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_jobs import MPIEXEC, launch_flags
+from launch import MPIEXEC, launch_flags
 
 LIMIT = 240  # seconds per job: two process groups, DDP, and a few iterations of everything
 TINY = ["--max-size", "64", "--scale", "0.01", "--reps", "3"]
@@ -40,8 +40,9 @@ def tensorplay_version() -> str | None:
 
 
 def torchbench(*arguments: str) -> subprocess.CompletedProcess[str]:
-    """``python -m tensorplay_p2p.torchbench`` on 2 ranks, under the time limit."""
-    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", "2", sys.executable, "-m", "tensorplay_p2p.torchbench"]
+    """``python -m tensorplay_p2p.bench.frameworks`` on 2 ranks, under the time limit."""
+    module = "tensorplay_p2p.bench.frameworks"
+    command = [MPIEXEC or "mpiexec", *launch_flags(), "-n", "2", sys.executable, "-m", module]
     done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=LIMIT, env=dict(os.environ))
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -105,3 +106,12 @@ def test_tensorplay_mpi_against_its_gloo(tmp_path: Path) -> None:
     assert document["meta"]["config"]["framework"] == "tensorplay"
     check_report(document, done.stdout, "mpi")
     assert "tp2p" not in done.stdout  # our side is TensorPlay's mpi throughout the tables
+
+
+def test_the_0_1_command_still_runs_and_says_where_it_moved() -> None:
+    """``python -m tensorplay_p2p.torchbench`` (0.1's spelling) is the same program, with a DeprecationWarning."""
+    command = [sys.executable, "-W", "always::DeprecationWarning", "-m", "tensorplay_p2p.torchbench", "--help"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--framework" in done.stdout
+    assert "DeprecationWarning: tensorplay_p2p.torchbench is now tensorplay_p2p.bench.frameworks" in done.stderr

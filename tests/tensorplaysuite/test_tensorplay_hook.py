@@ -17,8 +17,8 @@ tensorplay = pytest.importorskip("tensorplay")
 
 import tensorplay.distributed.distributed_core as core  # noqa: E402
 
-from tensorplay_p2p.tensorplay import SUPPORTED_VERSION, ProcessGroupMPI, hook  # noqa: E402
-from tensorplay_p2p.tensorplay import rendezvous as mpi_rendezvous  # noqa: E402
+from tensorplay_p2p.tensorplay import SUPPORTED_VERSION, ProcessGroupMPI, _hook  # noqa: E402
+from tensorplay_p2p.tensorplay import _rendezvous as mpi_rendezvous  # noqa: E402
 
 # ``tensorplay.distributed.rendezvous`` is also the name of a function there: take the module itself.
 tp_rendezvous = importlib.import_module("tensorplay.distributed.rendezvous")
@@ -33,39 +33,39 @@ CALLED = {
 
 
 def test_installed_over_the_supported_version() -> None:
-    assert hook.installed()
+    assert _hook.installed()
     assert core._C.ProcessGroupMPI is ProcessGroupMPI
     assert core.Backend.BACKEND_TO_MAP["mpi"] is ProcessGroupMPI
     assert "mpi" in tp_rendezvous._rendezvous_handlers
     assert tp_rendezvous._rendezvous_handlers["env"].__wrapped__ is not None
-    assert hook.problems(core, tp_rendezvous, tensorplay.__version__, METHODS) == []
+    assert _hook.problems(core, tp_rendezvous, tensorplay.__version__, METHODS) == []
 
 
 def test_every_method_tensorplay_calls_is_defined() -> None:
     assert CALLED <= METHODS
-    found = set(hook._CALLED.findall(inspect.getsource(core))) | {"monitored_barrier"}
+    found = set(_hook._CALLED.findall(inspect.getsource(core))) | {"monitored_barrier"}
     assert found == CALLED
 
 
 def test_install_twice_changes_nothing() -> None:
     handler = tp_rendezvous._rendezvous_handlers["env"]
-    hook.install()
+    _hook.install()
     assert tp_rendezvous._rendezvous_handlers["env"] is handler
 
 
 def test_a_different_version_is_named() -> None:
-    found = hook.problems(core, tp_rendezvous, "1.1.0", METHODS)
+    found = _hook.problems(core, tp_rendezvous, "1.1.0", METHODS)
     assert found == ["version 1.1.0"]
 
 
 def test_a_method_tensorplay_calls_but_the_group_lacks_is_named() -> None:
-    found = hook.problems(core, tp_rendezvous, SUPPORTED_VERSION, METHODS - {"alltoall"})
+    found = _hook.problems(core, tp_rendezvous, SUPPORTED_VERSION, METHODS - {"alltoall"})
     assert found == ["distributed_core calls MPI-group methods this package lacks: alltoall"]
 
 
 def test_missing_hooks_are_named() -> None:
     bare = types.ModuleType("distributed_core")
-    found = hook.problems(bare, types.ModuleType("rendezvous"), SUPPORTED_VERSION, METHODS)
+    found = _hook.problems(bare, types.ModuleType("rendezvous"), SUPPORTED_VERSION, METHODS)
     assert "distributed_core._C.ProcessGroupMPI.create is missing" in found
     assert "distributed_core._ensure_mpi_comm is missing" in found
     assert "tensorplay.distributed.rendezvous._rendezvous_handlers has no env:// handler" in found

@@ -559,14 +559,14 @@ def test_all_reduce_whose_sizes_or_dtypes_differ_raises_on_every_rank_in_checked
     group then goes on."""
     needs_peer()
     ambient = tensorplay_p2p.checked_mode()
-    tensorplay_p2p.runtime.state.checked = True
+    tensorplay_p2p._src.settings.state.checked = True
     try:
         sized = full(10 if RANK == 0 else 12, 1.0, tp.float32)
         by_size = caught(td.all_reduce, sized)
         typed = full(4, 1.0, tp.float32 if RANK == 0 else tp.float64)
         by_dtype = caught(td.all_reduce, typed)
     finally:
-        tensorplay_p2p.runtime.state.checked = ambient
+        tensorplay_p2p._src.settings.state.checked = ambient
     after = full(3, 1.0)
     td.all_reduce(after)
     assert isinstance(by_size, tensorplay_p2p.CollectiveMismatchError), repr(by_size)

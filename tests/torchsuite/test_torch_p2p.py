@@ -33,7 +33,7 @@ pytestmark = pytest.mark.mpi(min_size=1)
 
 SIZE = harness.SIZE
 NO_SOURCE_RANK = harness.source_rank_missing()
-NO_PROFILER_EVENTS = not harness.package_has("profiling")
+NO_PROFILER_EVENTS = not harness.package_has("_src.p2p.profiling")
 NO_ALL_GATHER = shim.all_gather is shim.no_all_gather
 
 SOURCE_RANK = (

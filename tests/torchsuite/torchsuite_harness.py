@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import faulthandler
 import importlib.util
 import inspect
 import os
@@ -75,11 +74,11 @@ from typing import Any
 
 import pytest
 import torchsuite_shim as shim
+from deadline import deadline
 from mpi4py import MPI
 
-from tensorplay_p2p import collcheck
-from tensorplay_p2p.abort import abort_job
-from tensorplay_p2p.groups import GroupMember
+from tensorplay_p2p._src.collectives import checks
+from tensorplay_p2p._src.process.groups import GroupMember
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -213,13 +212,13 @@ class Barriers:
     def sync(self, timeout: float = 10.0) -> None:
         request = self.comm.Ibarrier()
         self.posted += 1
-        deadline = time.monotonic() + timeout
+        until = time.monotonic() + timeout
         status = MPI.Status()
         while not request.Test():
             if self.comm.Iprobe(MPI.ANY_SOURCE, FAILED_TAG, status):
                 self.waiting.append(request)
                 raise StoppedError(f"rank {status.Get_source()}'s test failed while rank {RANK} waited in its barrier")
-            if time.monotonic() > deadline:
+            if time.monotonic() > until:
                 self.waiting.append(request)
                 raise RuntimeError("barrier timeout")  # torch's words
             time.sleep(1e-4)
@@ -330,33 +329,6 @@ def _stderr(capman: Any, text: str) -> None:
     with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
         sys.stderr.write(text)
         sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def deadline(what: str, capman: Any, seconds: float = DEADLINE) -> Iterator[None]:
-    """Abort the job, with this rank's stacks on stderr, if the block runs past ``seconds``."""
-    done = threading.Event()
-
-    def watch() -> None:
-        if done.wait(seconds):
-            return
-        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
-            sys.stderr.write(f"\n[rank {RANK}] torchsuite: {what} did not finish within {seconds:g} s; its stacks:\n")
-            sys.stderr.flush()
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            abort_job(
-                f"[rank {RANK}] torchsuite: aborting the job (a rank whose test failed early leaves its peers "
-                "waiting for its messages: see the failures reported above)\n",
-                ABORT_CODE,
-            )
-
-    watcher = threading.Thread(target=watch, name="torchsuite-deadline", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
 
 
 # ("passed" | "skipped" | "failed" | "stopped", reason or error text, the first builtin class the error is of)
@@ -495,7 +467,9 @@ def run(case: Case, capman: Any, backend: str | None = None) -> None:
     """Run torch's test ``case`` on every rank, on the package (``backend=None``) or on torch.distributed with
     ``backend``; pass, skip or fail as all the ranks together did."""
     name = case.name
-    with deadline(name, capman, case.deadline):
+    uncaptured = capman.global_and_fixture_disabled if capman is not None else contextlib.nullcontext
+    why = "a rank whose test failed early leaves its peers waiting for its messages: see the failures reported above"
+    with deadline(f"torchsuite: {name}", case.deadline, why=why, uncaptured=uncaptured, code=ABORT_CODE):
         barriers = Barriers()
         error, outcomes = _lifecycle(case, backend, barriers, capman)
         barriers.free(_failed(outcomes))
@@ -503,7 +477,7 @@ def run(case: Case, capman: Any, backend: str | None = None) -> None:
     # barrier by a peer's failure skips the collectives the peer made and refused: the package would take it for a
     # rank that posted them and hold the peer's next collective back.  Nothing is left posted between tests, so
     # every rank forgets what was refused, as a new group would start.
-    collcheck.forget(GroupMember.WORLD)
+    checks.forget(GroupMember.WORLD)
     if error is not None and _outcome(error)[0] == "failed":
         raise error
     failed = _failed(outcomes)

@@ -1,0 +1,1900 @@
+/* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls, in C over mpi4py's C API.
+ *
+ * It handles the common case (host buffers that are contiguous or already resolved to a plain MPI
+ * buffer, any group, no checked mode, no watchdog, no torch profiler recording) with nothing but an empty
+ * Work per op between the call and MPI, and its waits test first, so that an op already complete never
+ * gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
+ * function or method it stands in for (the reference, given by ``setup_work``/``setup_ops``), so both
+ * engines give the same results, exceptions and messages.  Error messages are always worded by the
+ * package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
+ *
+ * Types (each is the base of the Python class of the same role, which adds every other method):
+ *   OpBase    - tuple subclass, the base of ``P2POp``; its constructor checks the common case inline.
+ *   WorkBase  - the fields of ``Work``; ``wait()`` and the dropped-handle keep-alive.
+ *   BatchBase - a list subclass, the base of ``BatchWork``: its items are the ops' Works; a batch posted
+ *               here keeps its ops in C arrays, its Works shells, until Python code reads a field of
+ *               one of them or ``_works``, which fills them in.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <pythread.h>
+#include <limits.h>
+#include <string.h>
+#include <time.h>
+#include <mpi.h>
+#include <mpi4py/mpi4py.h>
+
+#if defined(OMPI_MAJOR_VERSION)
+#define TP2P_ABI "openmpi"
+#elif defined(MPICH_VERSION)
+#define TP2P_ABI "mpich"
+#else
+#define TP2P_ABI "unknown"
+#endif
+
+#define SMALL 4 /* ops of a batch kept inline in the batch object */
+
+/* --- references and package state, given by setup_work / setup_ops ----------------------------- */
+
+static PyObject *Work_type, *Batch_type, *Op_type;            /* the Python classes */
+static PyObject *ref_work_wait, *ref_batch_wait, *ref_new_op; /* the Python methods replaced */
+static PyObject *ref_isend, *ref_irecv, *ref_send, *ref_recv, *ref_batch;
+static PyObject *dropped, *reap_dropped, *retired, *release_retired;
+static PyObject *world, *group_type, *resolvers, *resolve, *release;
+static PyObject *overlap_error, *failure, *size_error;
+static PyObject *state, *watchdog_dict, *validate_dict, *ndarray;
+static PyObject *request_null, *mpi_exception, *pending_obj, *done_obj, *failed_obj, *busy_error;
+static PyObject *lean_isend_obj, *lean_irecv_obj; /* this module's isend / irecv */
+static long tag_ub = 0;
+static int world_size = 0, world_rank = -1;
+
+static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
+static PyObject *s_profiler_module, *s_profiler_flag;
+static PyObject *s_fail, *s_complete, *s_finish;
+static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what,
+    *s_recv_what;
+
+enum { PENDING = 0, DONE = 1, FAILED = 2 };
+
+static double
+monotonic(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of time.monotonic() */
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Whether a torch profiler may be recording (``profiling.active()``, in C): torch.autograd.profiler's
+ * ``_is_profiler_enabled``.  Until that module is in sys.modules, one lookup there per call; from then on, one lookup
+ * in its namespace, held here (a module deleted from sys.modules and imported anew is not seen).  Where it cannot
+ * tell (sys.modules is not a dict), 1: the Python path decides. */
+static PyObject *profiler_namespace; /* torch.autograd.profiler's __dict__, once imported */
+
+static int
+profiler_recording(void)
+{
+    if (profiler_namespace == NULL) {
+        PyObject *modules = PyImport_GetModuleDict(); /* borrowed */
+        if (!PyDict_CheckExact(modules))
+            return 1;
+        PyObject *module = PyDict_GetItemWithError(modules, s_profiler_module);
+        if (module == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (!PyModule_Check(module))
+            return 1;
+        PyObject *namespace = PyModule_GetDict(module);                    /* borrowed */
+        if (PyDict_GetItemWithError(namespace, s_profiler_flag) == NULL) { /* still being imported */
+            PyErr_Clear();
+            return 1;
+        }
+        profiler_namespace = Py_NewRef(namespace);
+    }
+    return PyDict_GetItemWithError(profiler_namespace, s_profiler_flag) == Py_True;
+}
+
+/* Whether the lean path may run now: set up, no checked mode, no watchdog, any thread may call MPI, no torch
+ * profiler recording (its events are recorded by the Python path). */
+static int
+gate(void)
+{
+    PyObject *v;
+    if (world == NULL || profiler_recording())
+        return 0;
+    v = PyObject_GetAttr(state, s_checked);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int checked = v != Py_False;
+    Py_DECREF(v);
+    if (checked)
+        return 0;
+    v = PyDict_GetItemWithError(watchdog_dict, s_active);
+    if (v != Py_False)
+        return 0;
+    v = PyDict_GetItemWithError(validate_dict, s_single_threaded);
+    if (v != Py_False)
+        return 0;
+    return 1;
+}
+
+/* The communicator of a group when it is usable here (a live member; a new reference, whose handle is read when
+ * posting), else NULL with no error set. */
+static PyObject *
+group_comm(PyObject *group)
+{
+    PyObject *comm = PyObject_GetAttr(group, s_communicator);
+    if (comm == NULL)
+        PyErr_Clear();
+    else if (comm == Py_None || !PyObject_TypeCheck(comm, &PyMPIComm_Type))
+        Py_CLEAR(comm);
+    return comm;
+}
+
+/* Whether ``group`` is usable here. */
+static int
+group_live(PyObject *group)
+{
+    PyObject *comm = group_comm(group);
+    Py_XDECREF(comm);
+    return comm != NULL;
+}
+
+/* Clear a Python-level error raised by a resolver (the Python path raises it again, worded), but keep
+ * KeyboardInterrupt, SystemExit and the like: 0 if cleared, -1 if it must propagate. */
+static int
+clear_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* Free the datatypes evicted from the cache while a call was prepared, as ``ops`` does in ``finally``: ``result``
+ * passes through, and an exception being raised is kept. */
+static PyObject *
+release_retired_after(PyObject *result)
+{
+    if (retired == NULL || PyList_GET_SIZE(retired) == 0)
+        return result;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(release_retired);
+    if (r == NULL) {
+        Py_XDECREF(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, value, tb);
+    return result;
+}
+
+/* The bytes a completed receive got (MPI_Get_elements_x: right for messages over 2 GiB too). */
+static Py_ssize_t
+received_bytes(MPI_Status *status)
+{
+    MPI_Count count = 0;
+    MPI_Get_elements_x(status, MPI_BYTE, &count);
+    return (Py_ssize_t)count;
+}
+
+/* A status as mpi4py initialises one, for MPI calls that may leave it unset on an error. */
+static void
+blank_status(MPI_Status *status)
+{
+    status->MPI_SOURCE = MPI_ANY_SOURCE;
+    status->MPI_TAG = MPI_ANY_TAG;
+    status->MPI_ERROR = MPI_SUCCESS;
+}
+
+static int
+reap(void)
+{
+    if (PyList_GET_SIZE(dropped) == 0)
+        return 0;
+    PyObject *r = PyObject_CallNoArgs(reap_dropped);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* --- blocking waits, for the signal handler's report -------------------------------------------- */
+
+#define WAIT_SLOTS 16
+typedef struct {
+    unsigned long ident;  /* thread, 0: free */
+    unsigned long serial; /* which wait: the signal handler compares it before and after its grace */
+    PyObject *handle;     /* borrowed: the Work or BatchWork waited on, or NULL for a blocking send/recv */
+    PyObject *group;      /* borrowed (blocking send/recv) */
+    int receive, peer, tag;
+    Py_ssize_t nbytes;
+    double posted;
+} WaitRecord;
+
+static WaitRecord waits[WAIT_SLOTS];
+static unsigned long wait_serial = 0;
+
+static WaitRecord *
+wait_begin(PyObject *handle)
+{
+    unsigned long ident = PyThread_get_thread_ident();
+    for (int i = 0; i < WAIT_SLOTS; i++) {
+        if (waits[i].ident == 0) {
+            waits[i].ident = ident;
+            waits[i].serial = ++wait_serial;
+            waits[i].handle = handle;
+            return &waits[i];
+        }
+    }
+    return NULL; /* more threads waiting than slots: this one goes unreported */
+}
+
+static void
+wait_end(WaitRecord *record)
+{
+    if (record != NULL)
+        record->ident = 0;
+}
+
+PyDoc_STRVAR(waiting_doc, "waiting($module, /)\n--\n\n"
+                          "The compiled waits in progress: {thread ident: (serial, handle or (receive, group, "
+                          "peer, tag, nbytes, posted))}.");
+
+static PyObject *
+waiting(PyObject *module, PyObject *unused)
+{
+    PyObject *result = PyDict_New();
+    if (result == NULL)
+        return NULL;
+    for (int i = 0; i < WAIT_SLOTS; i++) {
+        WaitRecord *w = &waits[i];
+        if (w->ident == 0)
+            continue;
+        PyObject *what = w->handle != NULL ? Py_NewRef(w->handle)
+                                           : Py_BuildValue("(OOiind)", w->receive ? Py_True : Py_False, w->group,
+                                                           w->peer, w->tag, w->nbytes, w->posted);
+        PyObject *item = what ? Py_BuildValue("(kN)", w->serial, what) : NULL;
+        PyObject *key = PyLong_FromUnsignedLong(w->ident);
+        if (item == NULL || key == NULL || PyDict_SetItem(result, key, item) < 0) {
+            Py_XDECREF(item);
+            Py_XDECREF(key);
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(item);
+        Py_DECREF(key);
+    }
+    return result;
+}
+
+/* --- one buffer -------------------------------------------------------------------------------- */
+
+typedef struct {
+    void *address;
+    int count;
+    PyObject *datatype; /* borrowed from ``keep``: a derived datatype, read when posting; NULL for MPI_BYTE */
+    Py_ssize_t nbytes;
+    PyObject *keep; /* owned: what keeps the memory alive (the array, or the resolved tuple) */
+} Buffer;
+
+static MPI_Datatype
+datatype_of(Buffer *buffer)
+{
+    return buffer->datatype == NULL ? MPI_BYTE : *PyMPIDatatype_Get(buffer->datatype);
+}
+
+/* Resolve ``tensor`` for the lean path: 1 and ``out`` filled, or 0 when the op needs the Python path
+ * (``*taken`` then holds a resolved buffer to give back with ``release``, or NULL), or -1 on error. */
+static int
+lean_buffer(PyObject *tensor, int receive, PyObject *what, Buffer *out, PyObject **taken)
+{
+    Py_buffer view;
+    *taken = NULL;
+    if (Py_TYPE(tensor) == (PyTypeObject *)ndarray) { /* buffers._lean_numpy's case, in C */
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (receive ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(tensor, &view, flags) < 0)
+            return clear_error();
+        int plain = view.len <= INT_MAX && (view.format == NULL || strchr(view.format, 'O') == NULL);
+        out->address = view.buf;
+        out->count = (int)view.len;
+        out->nbytes = view.len;
+        PyBuffer_Release(&view); /* the array itself keeps the memory */
+        if (!plain)
+            return 0;
+        out->datatype = NULL;
+        out->keep = Py_NewRef(tensor);
+        return 1;
+    }
+    if (tensor == Py_None)
+        return 0;
+    PyObject *resolver = PyDict_GetItemWithError(resolvers, (PyObject *)Py_TYPE(tensor));
+    if (resolver == NULL && PyErr_Occurred())
+        return -1;
+    resolver = Py_NewRef(resolver != NULL ? resolver : resolve); /* a resolver may clear the dict it came from */
+    PyObject *resolved = PyObject_CallFunctionObjArgs(resolver, tensor, receive ? Py_True : Py_False, what, NULL);
+    Py_DECREF(resolver);
+    if (resolved == NULL)
+        return clear_error(); /* the Python path resolves it again and raises the same error, with its wording */
+    /* (spec, nbytes, keep, after) with spec [buffer, count, datatype] */
+    if (!PyTuple_CheckExact(resolved) || PyTuple_GET_SIZE(resolved) != 4) {
+        Py_DECREF(resolved);
+        return 0;
+    }
+    PyObject *spec = PyTuple_GET_ITEM(resolved, 0);
+    if (PyTuple_GET_ITEM(resolved, 3) != Py_None || !PyList_CheckExact(spec) || PyList_GET_SIZE(spec) != 3 ||
+        !PyLong_CheckExact(PyList_GET_ITEM(spec, 1)) ||
+        !PyObject_TypeCheck(PyList_GET_ITEM(spec, 2), &PyMPIDatatype_Type) ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(resolved, 1))) {
+        *taken = resolved; /* staged or packed: an after-hook to run, or a buffer to give back */
+        return 0;
+    }
+    long count = PyLong_AsLong(PyList_GET_ITEM(spec, 1));
+    Py_ssize_t nbytes = PyLong_AsSsize_t(PyTuple_GET_ITEM(resolved, 1));
+    if (count < 0 || count > INT_MAX || nbytes < 0 ||
+        PyObject_GetBuffer(PyList_GET_ITEM(spec, 0), &view, receive ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        if (!PyErr_Occurred()) {
+            *taken = resolved; /* a count over 2**31: mpi4py's large-count calls post it */
+            return 0;
+        }
+        Py_DECREF(resolved);
+        return clear_error();
+    }
+    out->address = view.buf;
+    PyBuffer_Release(&view); /* the resolved tuple keeps the tensor and the spec alive */
+    out->count = (int)count;
+    out->datatype = PyList_GET_ITEM(spec, 2);
+    if (*PyMPIDatatype_Get(out->datatype) == MPI_BYTE)
+        out->datatype = NULL;
+    out->nbytes = nbytes;
+    out->keep = resolved;
+    return 1;
+}
+
+/* For a buffer resolved here that the lean path does not post (staged, packed, a large count): the Work that
+ * ``ops._post`` would make of it, posted by Work.__init__ (``taken`` stolen), so that it is not resolved twice. */
+static PyObject *
+python_work(PyObject *group, int receive, int peer, int tag, PyObject *taken, PyObject *what)
+{
+    PyObject *work =
+        PyObject_CallFunction(Work_type, "OOiiOO", group, receive ? Py_True : Py_False, peer, tag, taken, what);
+    Py_DECREF(taken);
+    return work;
+}
+
+static int
+give_back(PyObject *taken)
+{
+    if (taken == NULL)
+        return 0;
+    PyObject *list = PyList_New(1);
+    if (list == NULL) {
+        Py_DECREF(taken);
+        return -1;
+    }
+    PyList_SET_ITEM(list, 0, taken);
+    PyObject *r = PyObject_CallOneArg(release, list);
+    Py_DECREF(list);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static PyObject *
+mpi_error(int code)
+{
+    return PyObject_CallFunction(mpi_exception, "i", code);
+}
+
+/* Raise ``error`` (an exception instance) with ``cause`` as its __cause__ (both stolen). */
+static void
+raise_with_cause(PyObject *error, PyObject *cause)
+{
+    if (error == NULL) {
+        Py_XDECREF(cause);
+        return;
+    }
+    if (cause != NULL)
+        PyException_SetCause(error, cause);
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
+}
+
+static PyObject *
+new_status(MPI_Status *status)
+{
+    return PyMPIStatus_New(status);
+}
+
+/* Call a Python method ``reference`` (the one a compiled method stands in for) on ``self`` with a call's arguments. */
+static PyObject *
+call_reference(PyObject *reference, PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (reference == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
+        return NULL;
+    }
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8], **stack = total < 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+    if (stack == NULL)
+        return PyErr_NoMemory();
+    stack[0] = self;
+    for (Py_ssize_t i = 0; i < total; i++)
+        stack[i + 1] = args[i];
+    PyObject *result = PyObject_Vectorcall(reference, stack, nargs + 1, kwnames);
+    if (stack != small)
+        PyMem_Free(stack);
+    return result;
+}
+
+/* --- WorkBase ---------------------------------------------------------------------------------- */
+
+typedef struct BatchObject BatchObject;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *after, *exception, *group, *keep, *nbytes, *peer, *receive, *request, *source, *state, *tag, *posted;
+    BatchObject *owner; /* borrowed: the lean batch that holds this op while its fields are unfilled, or NULL */
+} WorkObject;
+
+#define WORK_FIELDS(X) \
+    X(after) X(exception) X(group) X(keep) X(nbytes) X(peer) X(receive) X(request) X(source) X(state) X(tag) X(posted)
+
+static int batch_fill(BatchObject *self, Py_ssize_t posted);
+
+/* A Work a lean batch still holds has its fields filled in (with every other op of that batch) before any is read. */
+static int
+work_filled(WorkObject *self)
+{
+    if (self->owner == NULL)
+        return 0;
+    PyObject *owner = Py_NewRef((PyObject *)self->owner); /* the batch lives until its Works are filled */
+    int r = batch_fill(self->owner, -1);
+    Py_DECREF(owner);
+    return r;
+}
+
+typedef struct {
+    const char *name;
+    Py_ssize_t offset;
+} Field;
+
+#define FIELD(f) {"_" #f, offsetof(WorkObject, f)},
+static Field work_field_list[] = {WORK_FIELDS(FIELD)};
+#undef FIELD
+#define WORK_FIELD_COUNT (sizeof work_field_list / sizeof work_field_list[0])
+
+static PyObject *
+work_get(WorkObject *self, void *closure)
+{
+    Field *field = closure;
+    if (work_filled(self) < 0)
+        return NULL;
+    PyObject *value = *(PyObject **)((char *)self + field->offset);
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, field->name);
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
+static int
+work_set(WorkObject *self, PyObject *value, void *closure)
+{
+    Field *field = closure;
+    if (work_filled(self) < 0)
+        return -1;
+    Py_XSETREF(*(PyObject **)((char *)self + field->offset), Py_XNewRef(value));
+    return 0;
+}
+
+static PyGetSetDef work_getset[WORK_FIELD_COUNT + 1];
+
+/* The fields as attributes: ``_after``, ..., and ``posted`` (public). */
+static void
+work_getset_init(void)
+{
+    for (size_t i = 0; i < WORK_FIELD_COUNT; i++) {
+        Field *field = &work_field_list[i];
+        if (strcmp(field->name, "_posted") == 0)
+            field->name = "posted";
+        work_getset[i] =
+            (PyGetSetDef){field->name, (getter)work_get, (setter)work_set,
+                          i == WORK_FIELD_COUNT - 1 ? "When the op was posted (time.monotonic())." : NULL, field};
+    }
+}
+
+static int
+work_traverse(WorkObject *self, visitproc visit, void *arg)
+{
+#define VISIT(f) Py_VISIT(self->f);
+    WORK_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int
+work_clear(WorkObject *self)
+{
+#define CLEAR(f) Py_CLEAR(self->f);
+    WORK_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+work_dealloc(WorkObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    work_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self); /* a heap subclass's type is released by its own dealloc */
+}
+
+static int
+state_is(PyObject *value, long which)
+{
+    return value != NULL && PyLong_CheckExact(value) && PyLong_AsLong(value) == which;
+}
+
+/* A pending Work dropped without wait() is kept (with its buffer) until MPI is done with it. */
+static void
+work_finalize(WorkObject *self)
+{
+    if (self->owner != NULL) { /* the GC may finalize a shell of a pending batch before the batch itself */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (work_filled(self) < 0)
+            PyErr_WriteUnraisable(NULL);
+        PyErr_Restore(type, value, tb);
+    }
+    if (dropped == NULL || !state_is(self->state, PENDING) || self->request == NULL ||
+        !PyObject_TypeCheck(self->request, &PyMPIRequest_Type) || *PyMPIRequest_Get(self->request) == MPI_REQUEST_NULL)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyList_Append(dropped, (PyObject *)self) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Call ``self.<name>(args...)``, then raise the Work's recorded exception. */
+static PyObject *
+work_finish_in_python(WorkObject *self, PyObject *name, int code, PyObject *status)
+{
+    PyObject *r;
+    if (code >= 0) {
+        PyObject *code_obj = PyLong_FromLong(code);
+        r = code_obj ? PyObject_CallMethodObjArgs((PyObject *)self, name, code_obj, status, NULL) : NULL;
+        Py_XDECREF(code_obj);
+    } else
+        r = PyObject_CallMethodOneArg((PyObject *)self, name, status);
+    Py_DECREF(status);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    if (self->exception != NULL && self->exception != Py_None) {
+        PyErr_SetObject((PyObject *)Py_TYPE(self->exception), self->exception);
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(work_wait_doc, "wait($self, /, timeout=None)\n--\n\n"
+                            "Block until the operation completes; raise its error if it failed. Returns True.");
+
+static PyObject *
+work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *timeout = nargs > 0 ? args[0] : Py_None;
+    if (work_filled(self) < 0)
+        return NULL;
+    int lean = ref_work_wait != NULL && nargs <= 1 && kwnames == NULL && timeout == Py_None &&
+               state_is(self->state, PENDING) && self->after == Py_None && self->request != NULL &&
+               self->group != NULL && self->nbytes != NULL && PyLong_CheckExact(self->nbytes) &&
+               PyObject_TypeCheck(self->request, &PyMPIRequest_Type) &&
+               PyDict_GetItemWithError(watchdog_dict, s_active) == Py_False;
+    if (!lean)
+        return call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames);
+    int receive = self->receive == Py_True;
+    PyObject *held = Py_NewRef(self->request); /* alive while MPI writes its handle, whatever other threads do */
+    MPI_Request *request = PyMPIRequest_Get(held);
+    MPI_Status status;
+    int code;
+    blank_status(&status);
+    int done = 0; /* an op already complete (a small send, often) is finished without giving up the GIL */
+    code = MPI_Test(request, &done, receive ? &status : MPI_STATUS_IGNORE);
+    if (code == MPI_SUCCESS && !done) {
+        WaitRecord *record = wait_begin((PyObject *)self);
+        Py_BEGIN_ALLOW_THREADS
+        code = MPI_Wait(request, receive ? &status : MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
+        wait_end(record);
+    }
+    int mine = self->request == held && state_is(self->state, PENDING); /* not settled by another thread meanwhile */
+    Py_DECREF(held);
+    if (!mine)
+        return call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames);
+    if (code != MPI_SUCCESS) {
+        PyObject *st = receive ? new_status(&status) : Py_NewRef(Py_None);
+        return st ? work_finish_in_python(self, s_fail, code, st) : NULL;
+    }
+    if (receive && status.MPI_SOURCE != MPI_PROC_NULL) {
+        if (received_bytes(&status) != PyLong_AsSsize_t(self->nbytes)) { /* Work.complete words the size error */
+            PyObject *st = new_status(&status);
+            return st ? work_finish_in_python(self, s_complete, -1, st) : NULL;
+        }
+        PyObject *global_of = PyObject_GetAttr(self->group, s_global_of);
+        PyObject *source = global_of ? PySequence_GetItem(global_of, status.MPI_SOURCE) : NULL;
+        Py_XDECREF(global_of);
+        if (source == NULL)
+            return NULL;
+        Py_XSETREF(self->source, source);
+    }
+    Py_XSETREF(self->request, Py_NewRef(request_null));
+    Py_XSETREF(self->state, Py_NewRef(done_obj));
+    Py_XSETREF(self->keep, Py_NewRef(Py_None));
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef work_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))work_wait, METH_FASTCALL | METH_KEYWORDS, work_wait_doc},
+    {NULL},
+};
+
+static PyTypeObject WorkBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.WorkBase",
+    .tp_doc = "The fields of a Work, and its lean wait().",
+    .tp_basicsize = sizeof(WorkObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)work_dealloc,
+    .tp_traverse = (traverseproc)work_traverse,
+    .tp_clear = (inquiry)work_clear,
+    .tp_finalize = (destructor)work_finalize,
+    .tp_getset = work_getset,
+    .tp_methods = work_methods,
+};
+
+/* A Work for an op about to be posted here, with the fields Work.__init__ sets (``buffer->keep`` taken over); it
+ * is not pending until ``post_work`` has posted it into its request. */
+static WorkObject *
+new_work(PyObject *group, int receive, int peer, int tag, Buffer *buffer)
+{
+    PyTypeObject *tp = (PyTypeObject *)Work_type;
+    WorkObject *w = (WorkObject *)tp->tp_alloc(tp, 0);
+    if (w == NULL)
+        return NULL;
+    w->after = Py_NewRef(Py_None);
+    w->exception = Py_NewRef(Py_None);
+    w->group = Py_NewRef(group);
+    w->keep = buffer->keep;
+    buffer->keep = NULL;
+    w->receive = Py_NewRef(receive ? Py_True : Py_False);
+    w->state = Py_NewRef(failed_obj);
+    w->request = PyMPIRequest_New(MPI_REQUEST_NULL);
+    w->nbytes = PyLong_FromSsize_t(buffer->nbytes);
+    w->peer = PyLong_FromLong(peer);
+    w->source = PyLong_FromLong(-1);
+    w->tag = PyLong_FromLong(tag);
+    w->posted = PyFloat_FromDouble(monotonic());
+    if (w->request == NULL || w->nbytes == NULL || w->peer == NULL || w->source == NULL || w->tag == NULL ||
+        w->posted == NULL) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    return w;
+}
+
+/* Post ``w``'s op into its request: MPI's error code (then ``w`` stays not pending). */
+static int
+post_work(WorkObject *w, PyObject *comm, Buffer *buffer, int peer, int tag)
+{
+    MPI_Request *request = PyMPIRequest_Get(w->request);
+    MPI_Datatype datatype = datatype_of(buffer);
+    MPI_Comm handle = *PyMPIComm_Get(comm);
+    int code = w->receive == Py_True ? MPI_Irecv(buffer->address, buffer->count, datatype, peer, tag, handle, request)
+                                     : MPI_Isend(buffer->address, buffer->count, datatype, peer, tag, handle, request);
+    if (code == MPI_SUCCESS)
+        Py_XSETREF(w->state, Py_NewRef(pending_obj));
+    return code;
+}
+
+/* --- BatchBase --------------------------------------------------------------------------------- */
+
+/* A batch posted here is a list of Works that are shells (no field set, ``owner`` this batch) while the batch holds
+ * its ops in C arrays: its lean wait() completes them there.  The first read of a shell's field, of ``_works``, or
+ * a wait the lean path does not take fills every shell in (``batch_fill``), and the Python methods take over. */
+
+typedef struct {
+    int receive, peer, tag;
+    Py_ssize_t nbytes;
+    PyObject *keep;   /* owned while the batch holds its ops in C */
+    WorkObject *work; /* owned: the op's Work, whatever the list holds */
+} LeanOp;
+
+struct BatchObject {
+    PyListObject list;
+    PyObject *group, *state, *works, *posted;
+    Py_ssize_t n; /* ops posted here (0: a batch built by Python code) */
+    int lean;     /* the ops are in ``reqs`` and ``info``, their Works shells */
+    int busy;     /* a thread is in MPI_Waitall on ``reqs`` (without the GIL) */
+    MPI_Request *reqs;
+    LeanOp *info;
+    MPI_Request small_reqs[SMALL];
+    LeanOp small_info[SMALL];
+};
+
+#define BATCH_FIELDS(X) X(group) X(state) X(works) X(posted)
+
+static void
+batch_drop_keeps(BatchObject *self)
+{
+    if (self->info == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        Py_CLEAR(self->info[i].keep);
+}
+
+/* The fields of one op's Work that ``batch_fill`` makes before it changes anything. */
+typedef struct {
+    PyObject *nbytes, *peer, *tag, *source, *request;
+} Made;
+
+static void
+made_clear(Made *made, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_CLEAR(made[i].nbytes);
+        Py_CLEAR(made[i].peer);
+        Py_CLEAR(made[i].tag);
+        Py_CLEAR(made[i].source);
+        Py_CLEAR(made[i].request);
+    }
+}
+
+/* Fill the shells in: each Work gets its op's fields and outcome, a pending one its own request and buffer (the ops
+ * from ``posted`` on, when a post failed, were never posted: not pending).  ``posted`` -1: every op.  From here on
+ * Python code holds the batch (``_works``).  All or nothing: everything is made first, and a failure changes
+ * nothing (the shells stay shells, the requests stay here).  The caller holds a reference to the batch: code that
+ * the allocations run (the GC's) may let go of every other one. */
+static int
+batch_fill(BatchObject *self, Py_ssize_t posted)
+{
+    if (!self->lean)
+        return 0;
+    if (self->busy) { /* worded by Python */
+        PyObject *error = PyObject_CallNoArgs(busy_error);
+        if (error != NULL)
+            raise_with_cause(error, NULL);
+        return -1;
+    }
+    if (self->group == NULL || self->posted == NULL || self->state == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a field of this BatchWork was deleted");
+        return -1;
+    }
+    Py_ssize_t n = self->n;
+    if (posted < 0)
+        posted = n;
+    int pending = state_is(self->state, PENDING);
+    Made small[SMALL], *made = n <= SMALL ? small : PyMem_Calloc(n, sizeof(Made));
+    if (made == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(made, 0, n * sizeof(Made));
+    PyObject *works = PyTuple_New(n);
+    PyObject *global_of = pending ? NULL : PyObject_GetAttr(self->group, s_global_of);
+    int failed = works == NULL || (!pending && global_of == NULL);
+    for (Py_ssize_t i = 0; i < n && !failed; i++) {
+        LeanOp *op = &self->info[i];
+        Made *m = &made[i];
+        m->nbytes = PyLong_FromSsize_t(op->nbytes);
+        m->peer = PyLong_FromLong(op->peer);
+        m->tag = PyLong_FromLong(op->tag);
+        m->source = !pending && op->receive ? PySequence_GetItem(global_of, op->peer) : PyLong_FromLong(-1);
+        m->request = pending && i < posted ? PyMPIRequest_New(MPI_REQUEST_NULL) : Py_NewRef(request_null);
+        failed = m->nbytes == NULL || m->peer == NULL || m->tag == NULL || m->source == NULL || m->request == NULL;
+    }
+    Py_XDECREF(global_of);
+    if (failed || !self->lean) { /* an error; or filled meanwhile, by code the allocations ran */
+        made_clear(made, n);
+        Py_XDECREF(works);
+        if (made != small)
+            PyMem_Free(made);
+        return failed ? -1 : 0;
+    }
+    /* from here on nothing allocates, fails or runs Python code until every Work is whole */
+    self->lean = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        LeanOp *op = &self->info[i];
+        WorkObject *w = op->work;
+        Made *m = &made[i];
+        int live = pending && i < posted;
+        w->owner = NULL;
+        PyTuple_SET_ITEM(works, i, Py_NewRef((PyObject *)w));
+        w->after = Py_NewRef(Py_None);
+        w->exception = Py_NewRef(Py_None);
+        w->group = Py_NewRef(self->group);
+        w->keep = pending && op->keep ? Py_NewRef(op->keep) : Py_NewRef(Py_None);
+        w->receive = Py_NewRef(op->receive ? Py_True : Py_False);
+        w->state = Py_NewRef(live ? pending_obj : pending ? failed_obj : done_obj);
+        w->posted = Py_NewRef(self->posted);
+        w->nbytes = m->nbytes;
+        w->peer = m->peer;
+        w->tag = m->tag;
+        w->source = m->source;
+        w->request = m->request;
+        if (live) { /* the Work's request holds it now */
+            *PyMPIRequest_Get(w->request) = self->reqs[i];
+            self->reqs[i] = MPI_REQUEST_NULL;
+        }
+        if (!PyObject_GC_IsTracked((PyObject *)w))
+            PyObject_GC_Track((PyObject *)w); /* a shell, with no references, is not tracked */
+    }
+    if (made != small)
+        PyMem_Free(made);
+    Py_XSETREF(self->works, works);
+    batch_drop_keeps(self); /* the Works keep them now */
+    return 0;
+}
+
+/* How many of the references to ``w`` this batch holds: its own, and each place in the list. */
+static Py_ssize_t
+batch_references(BatchObject *self, Py_ssize_t i)
+{
+    PyObject *w = (PyObject *)self->info[i].work;
+    Py_ssize_t size = PyList_GET_SIZE(self), count = 1;
+    if (size == self->n && PyList_GET_ITEM(self, i) == w)
+        return 2; /* the list as the batch made it (its items are distinct) */
+    for (Py_ssize_t j = 0; j < size; j++)
+        count += PyList_GET_ITEM(self, j) == w;
+    return count;
+}
+
+/* Shells no one else holds, kept for the next batches instead of being freed and made again. */
+#define SHELLS 64
+static WorkObject *shells[SHELLS];
+static int spare_shells = 0;
+
+/* A shell for a lean batch's op (a new reference). */
+static WorkObject *
+new_shell(void)
+{
+    if (spare_shells > 0)
+        return shells[--spare_shells];
+    PyTypeObject *tp = (PyTypeObject *)Work_type;
+    WorkObject *w = (WorkObject *)tp->tp_alloc(tp, 0);
+    if (w != NULL)
+        PyObject_GC_UnTrack(w); /* no references while a shell: the GC need not see it (filling tracks it) */
+    return w;
+}
+
+/* Before the batch lets go of its Works: shells held elsewhere too are filled in; the others are kept as spares
+ * (untracked by the GC, never finalized) or die with the batch.  Runs in dealloc and tp_clear: the exception being
+ * raised, if any, is kept. */
+static void
+batch_release_works(BatchObject *self)
+{
+    if (self->info == NULL)
+        return;
+    int shared = 0;
+    if (self->lean) {
+        for (Py_ssize_t i = 0; i < self->n && !shared; i++)
+            shared = Py_REFCNT(self->info[i].work) > batch_references(self, i);
+        if (shared) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (batch_fill(self, -1) < 0)
+                PyErr_WriteUnraisable(NULL);
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        WorkObject *w = self->info[i].work;
+        if (w == NULL)
+            continue;
+        if (self->lean && !shared && w->owner == self && spare_shells < SHELLS &&
+            Py_TYPE(w) == (PyTypeObject *)Work_type && !PyObject_GC_IsFinalized((PyObject *)w)) {
+            if (PyObject_GC_IsTracked((PyObject *)w))
+                PyObject_GC_UnTrack(w);
+            shells[spare_shells++] = w; /* this reference moves there; the list's go with the list */
+            self->info[i].work = NULL;
+        }
+        w->owner = NULL;
+    }
+    self->lean = 0;
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        Py_CLEAR(self->info[i].work);
+}
+
+static int
+batch_traverse(BatchObject *self, visitproc visit, void *arg)
+{
+    if (PyList_Type.tp_traverse((PyObject *)self, visit, arg) < 0)
+        return -1;
+#define VISIT(f) Py_VISIT(self->f);
+    BATCH_FIELDS(VISIT)
+#undef VISIT
+    if (self->info != NULL)
+        for (Py_ssize_t i = 0; i < self->n; i++) {
+            Py_VISIT(self->info[i].keep);
+            Py_VISIT(self->info[i].work);
+        }
+    return 0;
+}
+
+static int
+batch_clear(BatchObject *self)
+{
+    batch_release_works(self);
+#define CLEAR(f) Py_CLEAR(self->f);
+    BATCH_FIELDS(CLEAR)
+#undef CLEAR
+    batch_drop_keeps(self);
+    return PyList_Type.tp_clear((PyObject *)self);
+}
+
+static void
+batch_free_arrays(BatchObject *self)
+{
+    if (self->reqs != NULL && self->reqs != self->small_reqs)
+        PyMem_Free(self->reqs);
+    if (self->info != NULL && self->info != self->small_info)
+        PyMem_Free(self->info);
+    self->reqs = NULL;
+    self->info = NULL;
+    self->n = 0;
+}
+
+static void
+batch_dealloc(BatchObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    batch_release_works(self);
+#define CLEAR(f) Py_CLEAR(self->f);
+    BATCH_FIELDS(CLEAR)
+#undef CLEAR
+    batch_drop_keeps(self);
+    batch_free_arrays(self);
+    PyList_Type.tp_dealloc((PyObject *)self); /* the items, then tp_free; a heap subclass's type is released by its
+                                                  own dealloc */
+}
+
+/* A pending batch dropped while it holds its ops: each Work takes its own, and a dropped pending Work is kept
+ * until MPI is done with it (``work_finalize``). */
+static void
+batch_finalize(BatchObject *self)
+{
+    if (!self->lean || !state_is(self->state, PENDING))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (batch_fill(self, -1) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, tb);
+}
+
+static PyObject *
+get_works(BatchObject *self, void *closure)
+{
+    if (batch_fill(self, -1) < 0)
+        return NULL;
+    if (self->works == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_works");
+        return NULL;
+    }
+    return Py_NewRef(self->works);
+}
+
+static int
+set_works(BatchObject *self, PyObject *value, void *closure)
+{
+    if (batch_fill(self, -1) < 0)
+        return -1;
+    Py_XSETREF(self->works, Py_XNewRef(value));
+    return 0;
+}
+
+/* ``_lean``: the ops of a pending batch that the C code holds, as (receive, group peer, tag, nbytes), read without
+ * filling the shells (a signal's report reads them while another thread waits on the batch); None otherwise. */
+static PyObject *
+get_lean(BatchObject *self, void *closure)
+{
+    if (!self->lean || !state_is(self->state, PENDING))
+        Py_RETURN_NONE;
+    PyObject *ops = PyTuple_New(self->n);
+    if (ops == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        LeanOp *op = &self->info[i];
+        PyObject *item = Py_BuildValue("(Oiin)", op->receive ? Py_True : Py_False, op->peer, op->tag, op->nbytes);
+        if (item == NULL) {
+            Py_DECREF(ops);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(ops, i, item);
+    }
+    return ops;
+}
+
+static PyGetSetDef batch_getset[] = {
+    {"_works", (getter)get_works, (setter)set_works, NULL, NULL},
+    {"_lean", (getter)get_lean, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef batch_members[] = {
+    {"_group", T_OBJECT_EX, offsetof(BatchObject, group), 0, NULL},
+    {"_state", T_OBJECT_EX, offsetof(BatchObject, state), 0, NULL},
+    {"posted", T_OBJECT_EX, offsetof(BatchObject, posted), 0, "When the batch was posted (time.monotonic())."},
+    {NULL},
+};
+
+/* After a Waitall that failed (``code``) or a receive of the wrong size: the Python methods finish it. */
+static PyObject *
+batch_finish_in_python(BatchObject *self, MPI_Status *statuses, int code)
+{
+    Py_ssize_t n = self->n;
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *st = new_status(&statuses[i]);
+        if (st == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, st);
+    }
+    /* the requests MPI completed are MPI_REQUEST_NULL in ``reqs`` now; the others are still pending */
+    if (batch_fill(self, -1) < 0) {
+        Py_DECREF(list);
+        return NULL;
+    }
+    PyObject *exc = code != MPI_SUCCESS ? mpi_error(code) : Py_NewRef(Py_None);
+    PyObject *r = exc ? PyObject_CallMethodObjArgs((PyObject *)self, s_finish, list, exc, NULL) : NULL;
+    Py_XDECREF(exc);
+    Py_DECREF(list);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(batch_wait_doc,
+             "wait($self, /, timeout=None)\n--\n\n"
+             "Complete every op (one ``Waitall``); raise the first error if any op failed. Returns True.");
+
+static PyObject *
+batch_wait(BatchObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!(self->lean && !self->busy && nargs <= 1 && kwnames == NULL && (nargs == 0 || args[0] == Py_None) &&
+          state_is(self->state, PENDING)))
+        return self->lean && state_is(self->state, DONE) && nargs == 0 && kwnames == NULL
+                   ? Py_NewRef(Py_True) /* completed here: every op succeeded */
+                   : call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames);
+    Py_ssize_t n = self->n;
+    MPI_Status small[SMALL], *statuses = n <= SMALL ? small : PyMem_Malloc(n * sizeof(MPI_Status));
+    if (statuses == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++)
+        blank_status(&statuses[i]);
+    int done = 0; /* ops already complete are finished without giving up the GIL */
+    int code = MPI_Testall((int)n, self->reqs, &done, statuses);
+    Py_INCREF(self); /* alive, with its arrays, while MPI writes them */
+    if (code == MPI_SUCCESS && !done) {
+        self->busy = 1;
+        WaitRecord *record = wait_begin((PyObject *)self);
+        Py_BEGIN_ALLOW_THREADS
+        code = MPI_Waitall((int)n, self->reqs, statuses);
+        Py_END_ALLOW_THREADS
+        wait_end(record);
+        self->busy = 0;
+    }
+    PyObject *result = NULL;
+    if (code != MPI_SUCCESS) {
+        result = batch_finish_in_python(self, statuses, code);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (self->info[i].receive && received_bytes(&statuses[i]) != self->info[i].nbytes) {
+            result = batch_finish_in_python(self, statuses, MPI_SUCCESS); /* Work.complete words the error */
+            goto done;
+        }
+    }
+    Py_XSETREF(self->state, Py_NewRef(done_obj));
+    batch_drop_keeps(self); /* release the buffers */
+    result = Py_NewRef(Py_True);
+done:
+    Py_DECREF(self);
+    if (statuses != small)
+        PyMem_Free(statuses);
+    return result;
+}
+
+static PyMethodDef batch_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))batch_wait, METH_FASTCALL | METH_KEYWORDS, batch_wait_doc},
+    {NULL},
+};
+
+static PyTypeObject BatchBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.BatchBase",
+    .tp_doc = "A list of Works: the fields of a BatchWork, its ops in C while its Works are shells, and its lean "
+              "wait().",
+    .tp_basicsize = sizeof(BatchObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_traverse = (traverseproc)batch_traverse,
+    .tp_clear = (inquiry)batch_clear,
+    .tp_finalize = (destructor)batch_finalize,
+    .tp_members = batch_members,
+    .tp_getset = batch_getset,
+    .tp_methods = batch_methods,
+};
+
+/* --- OpBase: P2POp's construction -------------------------------------------------------------- */
+
+static int
+small_rank(PyObject *v, long high)
+{
+    if (!PyLong_CheckExact(v))
+        return -1;
+    int overflow;
+    long x = PyLong_AsLongAndOverflow(v, &overflow);
+    return !overflow && x >= 0 && x <= high ? (int)x : -1;
+}
+
+static PyObject *
+op_fields(PyTypeObject *type, PyObject *op, PyObject *tensor, PyObject *peer, PyObject *group, PyObject *tag,
+          PyObject *group_peer)
+{
+    PyObject *self = type->tp_alloc(type, 6);
+    if (self == NULL)
+        return NULL;
+    PyTuple_SET_ITEM(self, 0, Py_NewRef(op));
+    PyTuple_SET_ITEM(self, 1, Py_NewRef(tensor));
+    PyTuple_SET_ITEM(self, 2, Py_NewRef(peer));
+    PyTuple_SET_ITEM(self, 3, Py_NewRef(group));
+    PyTuple_SET_ITEM(self, 4, Py_NewRef(tag));
+    PyTuple_SET_ITEM(self, 5, Py_NewRef(group_peer));
+    return self;
+}
+
+/* P2POp(op, tensor, peer=None, group=None, tag=0, group_peer=None): the arguments, or 0 when they are not a form
+ * parsed here (the reference then parses them, and words any error). */
+static int
+op_args(PyObject *args, PyObject *kwds, PyObject **out)
+{
+    static const char *names[6] = {"op", "tensor", "peer", "group", "tag", "group_peer"};
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    out[0] = out[1] = out[4] = NULL;
+    out[2] = out[3] = out[5] = Py_None;
+    if (nargs > 6)
+        return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        out[i] = PyTuple_GET_ITEM(args, i);
+    if (kwds != NULL) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwds, &pos, &key, &value)) {
+            int slot = -1;
+            for (int j = 0; j < 6; j++)
+                if (PyUnicode_CompareWithASCIIString(key, names[j]) == 0)
+                    slot = j;
+            if (slot < nargs)
+                return 0;
+            out[slot] = value;
+        }
+    }
+    return out[0] != NULL && out[1] != NULL;
+}
+
+static PyObject *
+op_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *a[6];
+    if (ref_new_op == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
+        return NULL;
+    }
+    if (op_args(args, kwds, a) && (a[0] == lean_isend_obj || a[0] == lean_irecv_obj) && a[3] == Py_None &&
+        a[5] == Py_None && small_rank(a[2], world_size - 1) >= 0 && (a[4] == NULL || small_rank(a[4], tag_ub) >= 0) &&
+        group_live(world)) { /* ops.P2POp.__new__'s common case, in C */
+        PyObject *zero = a[4] == NULL ? PyLong_FromLong(0) : NULL;
+        PyObject *tag = a[4] ? a[4] : zero;
+        PyObject *self = tag ? op_fields(type, a[0], a[1], a[2], Py_None, tag, a[2]) : NULL;
+        Py_XDECREF(zero);
+        return self;
+    }
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    PyObject *full = PyTuple_New(nargs + 1);
+    if (full == NULL)
+        return NULL;
+    PyTuple_SET_ITEM(full, 0, Py_NewRef((PyObject *)type));
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        PyTuple_SET_ITEM(full, i + 1, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+    PyObject *self = PyObject_Call(ref_new_op, full, kwds);
+    Py_DECREF(full);
+    return self;
+}
+
+static PyTypeObject OpBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.OpBase",
+    .tp_doc = "The tuple under a P2POp, built with its common case checked in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = op_new,
+};
+
+PyDoc_STRVAR(new_op_doc, "new_op($module, cls, fields, /)\n--\n\n"
+                         "A ``cls`` instance holding the six checked ``fields`` of a P2POp.");
+
+static PyObject *
+new_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_IsSubtype((PyTypeObject *)args[0], &OpBase_Type) ||
+        !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 6) {
+        PyErr_SetString(PyExc_TypeError, "new_op(cls, fields): an OpBase subclass and a 6-tuple");
+        return NULL;
+    }
+    PyObject *f = args[1];
+    return op_fields((PyTypeObject *)args[0], PyTuple_GET_ITEM(f, 0), PyTuple_GET_ITEM(f, 1), PyTuple_GET_ITEM(f, 2),
+                     PyTuple_GET_ITEM(f, 3), PyTuple_GET_ITEM(f, 4), PyTuple_GET_ITEM(f, 5));
+}
+
+/* --- batch_isend_irecv --------------------------------------------------------------------------- */
+
+typedef struct {
+    char *low;
+    Py_ssize_t count;
+    Py_ssize_t index;
+    int receive;
+} Span;
+
+/* buffers.check_batch for contiguous buffers: the first overlapping pair in the same sorted order, or (-1, -1). */
+static void
+first_overlap(Span *spans, Py_ssize_t n, Py_ssize_t *first, Py_ssize_t *second)
+{
+    *first = *second = -1;
+    for (Py_ssize_t i = 1; i < n; i++) { /* insertion sort by (low, count, index) */
+        Span s = spans[i];
+        Py_ssize_t j = i;
+        while (j > 0 && (spans[j - 1].low > s.low || (spans[j - 1].low == s.low && spans[j - 1].count > s.count))) {
+            spans[j] = spans[j - 1];
+            j--;
+        }
+        spans[j] = s;
+    }
+    for (Py_ssize_t a = 0; a < n; a++)
+        for (Py_ssize_t b = a + 1; b < n; b++) {
+            if (spans[b].low >= spans[a].low + spans[a].count)
+                break;
+            if (spans[b].count && (spans[a].receive || spans[b].receive)) {
+                Py_ssize_t i = spans[a].index, j = spans[b].index;
+                *first = i < j ? i : j;
+                *second = i < j ? j : i;
+                return;
+            }
+        }
+}
+
+typedef struct {
+    Buffer buffer;
+    int receive, peer, tag;
+} Posting;
+
+static void
+discard(Posting *ops, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(ops[i].buffer.keep);
+}
+
+PyDoc_STRVAR(batch_doc, "batch_isend_irecv($module, p2p_op_list)\n--\n\n"
+                        "Post every op, in order, after checking them all; returns one BatchWork completed by a single "
+                        "Waitall.");
+
+static PyObject *
+lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *list = nargs == 1 && kwnames == NULL ? args[0] : NULL;
+    Py_ssize_t n = list != NULL && PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
+    if (ref_batch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
+        return NULL;
+    }
+    PyObject *first = n > 0 ? PyList_GET_ITEM(list, 0) : NULL;
+    if (first == NULL || Py_TYPE(first) != (PyTypeObject *)Op_type || !gate())
+        return PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+    PyObject *group = PyTuple_GET_ITEM(first, 3); /* the op holds it, and the ops are held below */
+    PyObject *pg = group == Py_None ? world : group;
+    PyObject *comm = group_comm(pg);
+    if (comm == NULL)
+        return PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+    Posting small[SMALL], *ops = n <= SMALL ? small : PyMem_Calloc(n, sizeof(Posting));
+    Span small_spans[SMALL], *spans = n <= SMALL ? small_spans : PyMem_Calloc(n, sizeof(Span));
+    PyObject *result = NULL, *taken = NULL, *held = Py_NewRef(first);
+    Py_ssize_t ready = 0;
+    int receives = 0, fallback = 0;
+    if (ops == NULL || spans == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; ready < n; ready++) {
+        /* a resolver runs Python code, which may change the list: read it afresh, and hold each op */
+        PyObject *p2p = ready < PyList_GET_SIZE(list) ? PyList_GET_ITEM(list, ready) : NULL;
+        if (p2p == NULL || Py_TYPE(p2p) != (PyTypeObject *)Op_type || PyTuple_GET_ITEM(p2p, 3) != group) {
+            fallback = 1;
+            break;
+        }
+        Posting *op = &ops[ready];
+        op->receive = PyTuple_GET_ITEM(p2p, 0) == lean_irecv_obj;
+        op->peer = small_rank(PyTuple_GET_ITEM(p2p, 5), INT_MAX);
+        op->tag = small_rank(PyTuple_GET_ITEM(p2p, 4), INT_MAX);
+        if (op->peer < 0 || op->tag < 0) { /* PROC_NULL, a non-member's op: the Python path */
+            fallback = 1;
+            break;
+        }
+        Py_INCREF(p2p);
+        int r = lean_buffer(PyTuple_GET_ITEM(p2p, 1), op->receive, s_batch_what, &op->buffer, &taken);
+        Py_DECREF(p2p); /* the buffer's keep holds the tensor */
+        if (r <= 0) {
+            fallback = r == 0;
+            break;
+        }
+        if (op->buffer.datatype != NULL) { /* strided: the Python overlap checks */
+            ready++;
+            fallback = 1;
+            break;
+        }
+        receives |= op->receive;
+        spans[ready] = (Span){(char *)op->buffer.address, op->buffer.nbytes, ready, op->receive};
+    }
+    if (ready < n || PyList_GET_SIZE(list) != n) {
+        discard(ops, ready);
+        if (give_back(taken) == 0 && fallback)
+            result = PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+        goto out;
+    }
+    if (n > 1 && receives) {
+        Py_ssize_t i, j;
+        first_overlap(spans, n, &i, &j);
+        if (i >= 0) {
+            discard(ops, n);
+            raise_with_cause(PyObject_CallFunction(overlap_error, "Onn", s_batch_what, i, j), NULL);
+            goto out;
+        }
+    }
+    if (reap() < 0) {
+        discard(ops, n);
+        goto out;
+    }
+    PyTypeObject *tp = (PyTypeObject *)Batch_type;
+    BatchObject *batch = (BatchObject *)tp->tp_alloc(tp, 0);
+    if (batch == NULL) {
+        discard(ops, n);
+        goto out;
+    }
+    batch->group = Py_NewRef(pg);
+    batch->state = Py_NewRef(failed_obj); /* not pending until posted */
+    batch->posted = PyFloat_FromDouble(monotonic());
+    if (n <= SMALL) {
+        batch->reqs = batch->small_reqs;
+        batch->info = batch->small_info;
+    } else {
+        batch->reqs = PyMem_Malloc(n * sizeof(MPI_Request));
+        batch->info = PyMem_Calloc(n, sizeof(LeanOp));
+    }
+    if (batch->posted == NULL || batch->reqs == NULL || batch->info == NULL) {
+        discard(ops, n);
+        Py_DECREF(batch);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* each op's Work, a shell until a field of one is read */
+        WorkObject *w = new_shell();
+        if (w == NULL || PyList_Append((PyObject *)batch, (PyObject *)w) < 0) {
+            Py_XDECREF(w);
+            discard(ops, n);
+            Py_DECREF(batch);
+            goto out;
+        }
+        Posting *op = &ops[i];
+        w->owner = batch;
+        batch->info[i] = (LeanOp){op->receive, op->peer, op->tag, op->buffer.nbytes, op->buffer.keep, w};
+        op->buffer.keep = NULL;
+        batch->reqs[i] = MPI_REQUEST_NULL;
+        batch->n = i + 1;
+    }
+    batch->lean = 1;
+    MPI_Comm handle = *PyMPIComm_Get(comm);
+    Py_ssize_t posted = 0;
+    int code = MPI_SUCCESS;
+    for (; posted < n; posted++) {
+        Posting *op = &ops[posted];
+        Buffer *b = &op->buffer;
+        MPI_Request *request = &batch->reqs[posted];
+        code = op->receive ? MPI_Irecv(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, request)
+                           : MPI_Isend(b->address, b->count, MPI_BYTE, op->peer, op->tag, handle, request);
+        if (code != MPI_SUCCESS) {
+            *request = MPI_REQUEST_NULL;
+            break;
+        }
+    }
+    Py_XSETREF(batch->state, Py_NewRef(pending_obj));
+    if (code != MPI_SUCCESS) { /* BatchWork._withdraw cancels what was posted and words the error */
+        PyObject *exc = mpi_error(code);
+        PyObject *count = PyLong_FromSsize_t(posted);
+        PyObject *error =
+            exc && count && batch_fill(batch, posted) == 0
+                ? PyObject_CallMethodObjArgs((PyObject *)batch, s_withdraw, s_batch_what, exc, count, NULL)
+                : NULL;
+        Py_XDECREF(count);
+        Py_DECREF(batch);
+        if (error == NULL)
+            Py_CLEAR(exc);
+        raise_with_cause(error, exc);
+        goto out;
+    }
+    result = (PyObject *)batch;
+out:
+    Py_DECREF(held);
+    Py_DECREF(comm);
+    if (ops != small)
+        PyMem_Free(ops);
+    if (spans != small_spans)
+        PyMem_Free(spans);
+    return release_retired_after(result);
+}
+
+/* --- isend, irecv, send, recv ---------------------------------------------------------------------- */
+
+/* The arguments of isend/irecv/send/recv: (tensor, peer, group, tag, group_peer), or 0 when they are not
+ * the plain positional/keyword forms this parses (the reference then parses them itself). */
+static int
+p2p_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *peer_name, const char *group_name,
+         PyObject **out)
+{
+    static const char *names[5] = {"tensor", NULL, "group", "tag", NULL};
+    out[0] = NULL;
+    out[1] = out[2] = out[4] = Py_None;
+    out[3] = NULL;
+    if (nargs > 5)
+        return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        out[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+        if (name == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int slot = -1;
+        for (int j = 0; j < 5; j++) {
+            const char *expected = j == 1 ? peer_name : j == 4 ? group_name : names[j];
+            if (strcmp(name, expected) == 0)
+                slot = j;
+        }
+        if (slot < nargs) /* unknown, or given twice */
+            return 0;
+        out[slot] = args[nargs + k];
+    }
+    return out[0] != NULL;
+}
+
+/* Where a call goes in the common case (validate.resolve_peer's, in C): 1 with the group, the peer's rank in it (or
+ * MPI_ANY_SOURCE where ``any`` allows it) and the tag; 0 for the Python path, which checks and words everything. */
+static int
+lean_target(PyObject **a, int any, PyObject **pg, int *peer, int *tag)
+{
+    if (!gate() || (a[1] != Py_None && a[4] != Py_None) || (a[1] == Py_None && a[4] == Py_None && !any))
+        return 0;
+    *tag = a[3] == NULL ? 0 : small_rank(a[3], tag_ub);
+    if (*tag < 0)
+        return 0;
+    if (a[1] == Py_None && a[4] == Py_None) { /* a receive from any source */
+        *pg = a[2] == Py_None ? world : a[2];
+        *peer = MPI_ANY_SOURCE;
+        return *pg == world || PyObject_TypeCheck(*pg, (PyTypeObject *)group_type);
+    }
+    if (a[2] == Py_None && a[4] == Py_None) { /* the world: group and global ranks agree */
+        *pg = world;
+        *peer = small_rank(a[1], world_size - 1);
+        return *peer >= 0;
+    }
+    PyObject *group = a[2] == Py_None ? world : a[2];
+    if (!PyObject_TypeCheck(group, (PyTypeObject *)group_type))
+        return 0;
+    PyObject *global_of = PyObject_GetAttr(group, s_global_of);
+    if (global_of == NULL || !PyTuple_Check(global_of)) {
+        Py_XDECREF(global_of);
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t size = PyTuple_GET_SIZE(global_of);
+    Py_DECREF(global_of); /* the group holds it */
+    if (a[4] != Py_None)
+        *peer = small_rank(a[4], size - 1);
+    else { /* a global rank: its rank in the group */
+        PyObject *group_of = PyLong_CheckExact(a[1]) ? PyObject_GetAttr(group, s_group_of) : NULL;
+        PyObject *rank = group_of && PyDict_Check(group_of) ? PyDict_GetItemWithError(group_of, a[1]) : NULL;
+        *peer = rank != NULL ? small_rank(rank, size - 1) : -1;
+        Py_XDECREF(group_of);
+        PyErr_Clear();
+    }
+    *pg = group;
+    return *peer >= 0;
+}
+
+/* The global rank of group rank ``rank`` of ``group`` (a new reference), or NULL with an error. */
+static PyObject *
+global_rank(PyObject *group, int rank)
+{
+    if (group == world)
+        return PyLong_FromLong(rank);
+    PyObject *global_of = PyObject_GetAttr(group, s_global_of);
+    PyObject *global = global_of ? PySequence_GetItem(global_of, rank) : NULL;
+    Py_XDECREF(global_of);
+    return global;
+}
+
+static PyObject *
+lean_post(PyObject *reference, PyObject *what, int receive, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[5], *taken = NULL, *pg, *comm = NULL;
+    Buffer buffer;
+    int peer, tag;
+    if (p2p_args(args, nargs, kwnames, receive ? "src" : "dst", receive ? "group_src" : "group_dst", a) &&
+        lean_target(a, receive, &pg, &peer, &tag))
+        comm = group_comm(pg);
+    if (comm == NULL)
+        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+    int r = lean_buffer(a[0], receive, what, &buffer, &taken);
+    if (r <= 0) {
+        Py_DECREF(comm);
+        if (r < 0)
+            return NULL;
+        if (taken != NULL)
+            return release_retired_after(python_work(pg, receive, peer, tag, taken, what));
+        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+    }
+    WorkObject *work = reap() == 0 ? new_work(pg, receive, peer, tag, &buffer) : NULL;
+    Py_XDECREF(buffer.keep); /* the Work holds it now, unless it could not be made */
+    if (work != NULL && post_work(work, comm, &buffer, peer, tag) != MPI_SUCCESS) {
+        Py_CLEAR(work); /* not posted: the Python path posts it again and words MPI's error */
+        Py_DECREF(comm);
+        return release_retired_after(PyObject_Vectorcall(reference, args, nargs, kwnames));
+    }
+    Py_DECREF(comm);
+    return release_retired_after((PyObject *)work);
+}
+
+/* The caller's rank in ``group``, or -1. */
+static int
+own_rank(PyObject *group)
+{
+    if (group == world)
+        return world_rank;
+    PyObject *group_of = PyObject_GetAttr(group, s_group_of);
+    PyObject *me = PyLong_FromLong(world_rank);
+    PyObject *rank = group_of && me && PyDict_Check(group_of) ? PyDict_GetItemWithError(group_of, me) : NULL;
+    int result = rank != NULL ? small_rank(rank, INT_MAX) : -1;
+    Py_XDECREF(group_of);
+    Py_XDECREF(me);
+    PyErr_Clear();
+    return result;
+}
+
+static PyObject *
+lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const *args, Py_ssize_t nargs,
+              PyObject *kwnames)
+{
+    PyObject *a[5], *taken = NULL, *pg, *comm = NULL;
+    Buffer buffer;
+    int peer, tag, code;
+    if (p2p_args(args, nargs, kwnames, receive ? "src" : "dst", receive ? "group_src" : "group_dst", a) &&
+        lean_target(a, receive, &pg, &peer, &tag) && peer != own_rank(pg)) /* a call to itself: the Python error */
+        comm = group_comm(pg);
+    if (comm == NULL)
+        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+    int r = lean_buffer(a[0], receive, what, &buffer, &taken);
+    if (r == 0 && taken != NULL) { /* as ops._blocking does with a buffer that has more to do: a Work, waited */
+        Py_DECREF(comm);
+        PyObject *work = python_work(pg, receive, peer, tag, taken, what);
+        PyObject *done = work ? PyObject_CallMethodNoArgs(work, s_wait) : NULL;
+        PyObject *source = done == NULL ? NULL
+                           : receive    ? PyObject_CallMethodNoArgs(work, s_source_rank)
+                                        : Py_NewRef(Py_None);
+        Py_XDECREF(done);
+        Py_XDECREF(work);
+        return release_retired_after(source);
+    }
+    if (r <= 0 || reap() < 0) {
+        Py_DECREF(comm);
+        if (r > 0)
+            Py_DECREF(buffer.keep);
+        return r == 0 ? PyObject_Vectorcall(reference, args, nargs, kwnames) : NULL;
+    }
+    MPI_Status status;
+    MPI_Datatype datatype = datatype_of(&buffer);
+    MPI_Comm handle = *PyMPIComm_Get(comm);
+    blank_status(&status);
+    /* MPI_Isend/MPI_Irecv and their completion are what MPI_Send/MPI_Recv are; an op complete at once (a small
+     * send, a message already there) is then finished without giving up the GIL */
+    MPI_Request request;
+    int done = 0;
+    code = receive ? MPI_Irecv(buffer.address, buffer.count, datatype, peer, tag, handle, &request)
+                   : MPI_Isend(buffer.address, buffer.count, datatype, peer, tag, handle, &request);
+    if (code == MPI_SUCCESS)
+        code = MPI_Test(&request, &done, &status);
+    if (code == MPI_SUCCESS && !done) {
+        WaitRecord *record = wait_begin(NULL);
+        if (record != NULL)
+            *record =
+                (WaitRecord){record->ident, record->serial, NULL, pg, receive, peer, tag, buffer.nbytes, monotonic()};
+        Py_BEGIN_ALLOW_THREADS
+        code = MPI_Wait(&request, &status);
+        Py_END_ALLOW_THREADS
+        wait_end(record);
+    }
+    Py_DECREF(buffer.keep);
+    Py_DECREF(comm);
+    if (code != MPI_SUCCESS) { /* worded as ops._blocking words it */
+        int found = receive && peer == MPI_ANY_SOURCE ? status.MPI_SOURCE : -1;
+        PyObject *source = found >= 0 ? global_rank(pg, found) : peer >= 0 ? global_rank(pg, peer) : Py_NewRef(Py_None);
+        PyObject *error = source ? PyObject_CallFunction(failure, "OOini", receive ? Py_True : Py_False, source, tag,
+                                                         buffer.nbytes, code)
+                                 : NULL;
+        Py_XDECREF(source);
+        PyObject *cause = error ? mpi_error(code) : NULL;
+        if (error != NULL && cause == NULL)
+            Py_CLEAR(error);
+        raise_with_cause(error, cause);
+        return release_retired_after(NULL);
+    }
+    if (!receive)
+        return release_retired_after(Py_NewRef(Py_None));
+    if (status.MPI_SOURCE == MPI_PROC_NULL)
+        return release_retired_after(PyLong_FromLong(-1));
+    PyObject *source = global_rank(pg, status.MPI_SOURCE);
+    Py_ssize_t got = received_bytes(&status);
+    if (source != NULL && got != buffer.nbytes) {
+        raise_with_cause(PyObject_CallFunction(size_error, "Oinn", source, status.MPI_TAG, buffer.nbytes, got), NULL);
+        Py_CLEAR(source);
+    }
+    return release_retired_after(source);
+}
+
+/* The module's isend, irecv, send and recv: the lean call with the reference it stands in for. */
+#define LEAN_CALL(name, lean, reference, what, receive)                                                 \
+    static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) \
+    {                                                                                                   \
+        return lean(reference, what, receive, args, PyVectorcall_NARGS(nargs), kwnames);                \
+    }
+LEAN_CALL(lean_isend, lean_post, ref_isend, s_isend_what, 0)
+LEAN_CALL(lean_irecv, lean_post, ref_irecv, s_irecv_what, 1)
+LEAN_CALL(lean_send, lean_blocking, ref_send, s_send_what, 0)
+LEAN_CALL(lean_recv, lean_blocking, ref_recv, s_recv_what, 1)
+
+PyDoc_STRVAR(isend_doc,
+             "isend($module, /, tensor, dst=None, group=None, tag=0, group_dst=None)\n--\n\n"
+             "Send ``tensor`` to ``dst`` (global rank) or ``group_dst`` (rank in ``group``) without blocking.");
+PyDoc_STRVAR(irecv_doc, "irecv($module, /, tensor, src=None, group=None, tag=0, group_src=None)\n--\n\n"
+                        "Receive into ``tensor`` from ``src``/``group_src`` (any source if neither) without blocking.");
+PyDoc_STRVAR(send_doc, "send($module, /, tensor, dst=None, group=None, tag=0, group_dst=None)\n--\n\n"
+                       "Send ``tensor`` and block until its buffer may be reused.");
+PyDoc_STRVAR(recv_doc,
+             "recv($module, /, tensor, src=None, group=None, tag=0, group_src=None)\n--\n\n"
+             "Receive into ``tensor``, blocking; returns the sender's global rank (-1 if not a group member).");
+
+/* --- setup ----------------------------------------------------------------------------------------- */
+
+static int
+take(PyObject *kwargs, const char *name, PyObject **slot)
+{
+    PyObject *value = PyDict_GetItemString(kwargs, name);
+    if (value == NULL) {
+        PyErr_Format(PyExc_TypeError, "setup: missing %s", name);
+        return -1;
+    }
+    Py_XSETREF(*slot, Py_NewRef(value));
+    return 0;
+}
+
+static int show_reference_wait_docs(void); /* below, with the calls' */
+
+PyDoc_STRVAR(setup_work_doc, "setup_work($module, /, **references)\n--\n\n"
+                             "Give the engine the Work and BatchWork classes and the Python methods it stands in for.");
+
+static PyObject *
+setup_work(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    if (kwargs == NULL || take(kwargs, "work", &Work_type) || take(kwargs, "batch", &Batch_type) ||
+        take(kwargs, "work_wait", &ref_work_wait) || take(kwargs, "batch_wait", &ref_batch_wait) ||
+        take(kwargs, "dropped", &dropped) || take(kwargs, "reap_dropped", &reap_dropped) ||
+        take(kwargs, "watchdog", &watchdog_dict) || take(kwargs, "request_null", &request_null) ||
+        take(kwargs, "pending", &pending_obj) || take(kwargs, "done", &done_obj) ||
+        take(kwargs, "failed", &failed_obj) || take(kwargs, "busy_error", &busy_error))
+        return NULL;
+    if (!PyList_CheckExact(dropped) || !PyDict_Check(watchdog_dict) || !PyType_Check(Work_type) ||
+        !PyType_IsSubtype((PyTypeObject *)Work_type, &WorkBase_Type) || !PyType_Check(Batch_type) ||
+        !PyType_IsSubtype((PyTypeObject *)Batch_type, &BatchBase_Type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_work: unexpected reference types");
+        return NULL;
+    }
+    if (show_reference_wait_docs() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static int show_reference_docs(void); /* below the method table, whose entries it changes */
+
+PyDoc_STRVAR(setup_ops_doc, "setup_ops($module, /, **references)\n--\n\n"
+                            "Give the engine the world group, P2POp, the Python functions it stands in for, and the "
+                            "package state it reads.");
+
+static PyObject *
+setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    PyObject *tag_ub_obj = NULL, *size_obj = NULL, *rank_obj = NULL;
+    if (kwargs == NULL || take(kwargs, "world", &world) || take(kwargs, "group_type", &group_type) ||
+        take(kwargs, "op", &Op_type) || take(kwargs, "new_op", &ref_new_op) || take(kwargs, "isend", &ref_isend) ||
+        take(kwargs, "irecv", &ref_irecv) || take(kwargs, "send", &ref_send) || take(kwargs, "recv", &ref_recv) ||
+        take(kwargs, "batch", &ref_batch) || take(kwargs, "resolvers", &resolvers) ||
+        take(kwargs, "resolve", &resolve) || take(kwargs, "release", &release) ||
+        take(kwargs, "overlap_error", &overlap_error) || take(kwargs, "failure", &failure) ||
+        take(kwargs, "size_error", &size_error) || take(kwargs, "state", &state) ||
+        take(kwargs, "validate", &validate_dict) || take(kwargs, "retired", &retired) ||
+        take(kwargs, "release_retired", &release_retired) || take(kwargs, "ndarray", &ndarray) ||
+        take(kwargs, "mpi_exception", &mpi_exception) || take(kwargs, "tag_ub", &tag_ub_obj) ||
+        take(kwargs, "world_size", &size_obj) || take(kwargs, "world_rank", &rank_obj))
+        return NULL;
+    tag_ub = PyLong_AsLong(tag_ub_obj);
+    world_size = (int)PyLong_AsLong(size_obj);
+    world_rank = (int)PyLong_AsLong(rank_obj);
+    Py_DECREF(tag_ub_obj);
+    Py_DECREF(size_obj);
+    Py_DECREF(rank_obj);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyDict_Check(resolvers) || !PyList_CheckExact(retired) || !PyDict_Check(validate_dict) ||
+        !PyType_Check(Op_type) || !PyType_IsSubtype((PyTypeObject *)Op_type, &OpBase_Type)) {
+        PyErr_SetString(PyExc_TypeError, "setup_ops: unexpected reference types");
+        return NULL;
+    }
+    if (show_reference_docs() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"isend", (PyCFunction)(void (*)(void))lean_isend, METH_FASTCALL | METH_KEYWORDS, isend_doc},
+    {"irecv", (PyCFunction)(void (*)(void))lean_irecv, METH_FASTCALL | METH_KEYWORDS, irecv_doc},
+    {"send", (PyCFunction)(void (*)(void))lean_send, METH_FASTCALL | METH_KEYWORDS, send_doc},
+    {"recv", (PyCFunction)(void (*)(void))lean_recv, METH_FASTCALL | METH_KEYWORDS, recv_doc},
+    {"batch_isend_irecv", (PyCFunction)(void (*)(void))lean_batch, METH_FASTCALL | METH_KEYWORDS, batch_doc},
+    {"new_op", (PyCFunction)(void (*)(void))new_op, METH_FASTCALL, new_op_doc},
+    {"waiting", (PyCFunction)waiting, METH_NOARGS, waiting_doc},
+    {"setup_work", (PyCFunction)(void (*)(void))setup_work, METH_VARARGS | METH_KEYWORDS, setup_work_doc},
+    {"setup_ops", (PyCFunction)(void (*)(void))setup_ops, METH_VARARGS | METH_KEYWORDS, setup_ops_doc},
+    {NULL},
+};
+
+/* The docstring of each call and method the engine stands in for: its text signature (the C header, up to and
+ * including "\n--\n\n", which inspect.signature reads) followed by the docstring of its Python reference, cleaned
+ * as inspect.getdoc cleans it, so that help() shows the one docstring, declared in Python.  The short C text is the
+ * fallback, for a reference without a docstring (python -OO).  A builtin function's or method descriptor's __doc__
+ * reads ml_doc at each access, so the functions and types already made show the new text. */
+static PyObject *shown_docs[7]; /* bytes: the ml_doc of the i-th entry below points into shown_docs[i] */
+
+static int
+show_reference_doc(PyMethodDef *table, const char *name, const char *own, PyObject *reference, PyObject **slot)
+{
+    PyMethodDef *def = table;
+    while (def->ml_name != NULL && strcmp(def->ml_name, name) != 0)
+        def++;
+    if (def->ml_name == NULL) {
+        PyErr_Format(PyExc_SystemError, "no method %s to document", name);
+        return -1;
+    }
+    /* Anything short of that keeps the C text and never fails the import: a docstring is not worth a broken engine
+     * (a Python built without docstrings has no text signature here, a reference's __doc__ may raise). */
+    const char *end = strstr(own, "\n--\n\n");
+    PyObject *shown = NULL;
+    PyObject *inspect = end == NULL ? NULL : PyImport_ImportModule("inspect");
+    PyObject *doc = inspect == NULL ? NULL : PyObject_GetAttrString(reference, "__doc__");
+    PyObject *clean = doc != NULL && PyUnicode_Check(doc) ? PyObject_CallMethod(inspect, "cleandoc", "O", doc) : NULL;
+    PyObject *text = clean != NULL && PyUnicode_Check(clean) && PyUnicode_GET_LENGTH(clean) > 0
+                         ? PyUnicode_AsUTF8String(clean)
+                         : NULL;
+    if (text != NULL) {
+        shown = PyBytes_FromStringAndSize(own, end + 5 - own);
+        if (shown != NULL)
+            PyBytes_Concat(&shown, text); /* on failure: shown is NULL */
+    }
+    Py_XDECREF(text);
+    Py_XDECREF(clean);
+    Py_XDECREF(doc);
+    Py_XDECREF(inspect);
+    PyErr_Clear();
+    def->ml_doc = shown != NULL ? PyBytes_AS_STRING(shown) : own;
+    Py_XSETREF(*slot, shown); /* the previous text, if any, released once nothing points into it */
+    return 0;
+}
+
+static int
+show_reference_docs(void)
+{
+    static const char *const names[] = {"isend", "irecv", "send", "recv", "batch_isend_irecv"};
+    static const char *const own[] = {isend_doc, irecv_doc, send_doc, recv_doc, batch_doc};
+    PyObject *const references[] = {ref_isend, ref_irecv, ref_send, ref_recv, ref_batch};
+    for (int i = 0; i < 5; i++)
+        if (show_reference_doc(module_methods, names[i], own[i], references[i], &shown_docs[i]) < 0)
+            return -1;
+    return 0;
+}
+
+static int
+show_reference_wait_docs(void)
+{
+    if (show_reference_doc(work_methods, "wait", work_wait_doc, ref_work_wait, &shown_docs[5]) < 0 ||
+        show_reference_doc(batch_methods, "wait", batch_wait_doc, ref_batch_wait, &shown_docs[6]) < 0)
+        return -1;
+    return 0;
+}
+
+static struct PyModuleDef accel_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_accel",
+    .m_doc = "The compiled engine of tensorplay_p2p: the hot path of point-to-point calls over mpi4py's C API.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+static int
+intern(PyObject **slot, const char *text)
+{
+    *slot = PyUnicode_InternFromString(text);
+    return *slot == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC
+PyInit__accel(void)
+{
+    if (import_mpi4py() < 0)
+        return NULL;
+    OpBase_Type.tp_base = &PyTuple_Type;
+    BatchBase_Type.tp_base = &PyList_Type;
+    BatchBase_Type.tp_new = PyList_Type.tp_new;
+    work_getset_init();
+    if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0)
+        return NULL;
+    if (intern(&s_checked, "checked") || intern(&s_active, "active") || intern(&s_single_threaded, "single_threaded") ||
+        intern(&s_communicator, "communicator") || intern(&s_global_of, "global_of") ||
+        intern(&s_group_of, "group_of") || intern(&s_fail, "fail") || intern(&s_complete, "complete") ||
+        intern(&s_finish, "_finish") || intern(&s_withdraw, "_withdraw") || intern(&s_wait, "wait") ||
+        intern(&s_source_rank, "source_rank") || intern(&s_batch_what, "batch_isend_irecv") ||
+        intern(&s_isend_what, "isend") || intern(&s_irecv_what, "irecv") || intern(&s_send_what, "send") ||
+        intern(&s_recv_what, "recv") || intern(&s_profiler_module, "torch.autograd.profiler") ||
+        intern(&s_profiler_flag, "_is_profiler_enabled"))
+        return NULL;
+    PyObject *m = PyModule_Create(&accel_module);
+    if (m == NULL)
+        return NULL;
+    lean_isend_obj = PyObject_GetAttrString(m, "isend");
+    lean_irecv_obj = PyObject_GetAttrString(m, "irecv");
+    if (lean_isend_obj == NULL || lean_irecv_obj == NULL || PyModule_AddStringConstant(m, "ABI", TP2P_ABI) < 0 ||
+        PyModule_AddObjectRef(m, "WorkBase", (PyObject *)&WorkBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "OpBase", (PyObject *)&OpBase_Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

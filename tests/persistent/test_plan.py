@@ -1,0 +1,175 @@
+"""P2PPlan: a batch built once as persistent requests, reposted every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from arraykinds import ArrayKind
+from fakedevice import FakeAdapter, FakeDeviceArray
+from world import NEXT, PREV, RANK, WAIT, shared
+
+import tensorplay_p2p as dist
+from tensorplay_p2p._src.memory import devices
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def test_plan_repeats_the_exchange_with_new_contents(kind: ArrayKind) -> None:
+    """numpy buffers wrapped without a copy as each kind: each step sends what numpy holds then, and receives
+    into the numpy buffers."""
+    out = np.zeros((4, 6))
+    column = np.zeros(4)
+    into = np.zeros((4, 2))
+    with dist.P2PPlan(
+        [
+            dist.P2POp(dist.isend, shared(kind, out[:, 1:3]), NEXT, tag=1),  # strided, through an owned datatype
+            dist.P2POp(dist.irecv, shared(kind, into), PREV, tag=1),
+            dist.P2POp(dist.isend, shared(kind, out[:, 5]), PREV, tag=2),
+            dist.P2POp(dist.irecv, shared(kind, column), NEXT, tag=2),
+        ]
+    ) as plan:
+        assert plan.messages == 4
+        for step in range(5):
+            out[...] = 100 * step + RANK
+            if step % 2:
+                plan.exchange(timeout=WAIT)
+            else:
+                plan.start()
+                plan.wait(timeout=WAIT)
+            np.testing.assert_array_equal(into, np.full((4, 2), 100.0 * step + PREV))
+            np.testing.assert_array_equal(column, np.full(4, 100.0 * step + NEXT))
+    with pytest.raises(RuntimeError, match="closed"):
+        plan.exchange()
+
+
+@pytest.mark.parametrize(
+    ("sent", "error", "checked_error"),
+    [
+        (3, "has 3 bytes where 4 were expected", r"sent uint8 \(3,\) \(3 bytes\), the receiver expects uint8 \(4,\)"),
+        (  # checked: a truncated message may not have been delivered at all (network paths), header included
+            6,
+            "is longer than the 4 bytes expected",
+            r"sent (uint8 \(6,\)|a message of unknown dtype and shape) \(more bytes\), the receiver expects uint8",
+        ),
+    ],
+)
+def test_plan_message_of_the_wrong_size_is_a_size_error(sent: int, error: str, checked_error: str) -> None:
+    if dist.checked_mode():  # the header names both sides
+        error = checked_error
+    with (
+        dist.P2PPlan(
+            [
+                dist.P2POp(dist.isend, np.zeros(sent, dtype=np.uint8), NEXT, tag=3),
+                dist.P2POp(dist.irecv, np.zeros(4, dtype=np.uint8), PREV, tag=3),
+            ]
+        ) as plan,
+        pytest.raises(dist.MessageSizeError, match=error),
+    ):
+        plan.exchange(timeout=WAIT)
+
+
+def test_plan_refusals() -> None:
+    buf = np.zeros(4)
+    with pytest.raises(ValueError, match="items 0 and 1 share memory"):
+        dist.P2PPlan([dist.P2POp(dist.isend, buf, NEXT), dist.P2POp(dist.irecv, buf, PREV)])
+    with pytest.raises(ValueError, match="needs at least one P2POp"):
+        dist.P2PPlan([])
+    with pytest.raises(TypeError, match="expects a list of P2POp"):
+        dist.P2PPlan(dist.P2POp(dist.isend, buf, NEXT))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", ["plan", "halo"])
+@pytest.mark.parametrize(("timeout", "error"), [("soon", TypeError), (-1.0, ValueError)])
+def test_a_bad_exchange_timeout_is_refused_before_the_step_starts(cls: str, timeout: object, error: type) -> None:
+    into = np.zeros(2)
+    if cls == "plan":
+        ops = [
+            dist.P2POp(dist.irecv, into, PREV, tag=71),
+            dist.P2POp(dist.isend, np.full(2, float(RANK)), NEXT, tag=71),
+        ]
+        exchange: dist.P2PPlan | dist.HaloExchange = dist.P2PPlan(ops)
+    else:
+        exchange = dist.HaloExchange(np.zeros(6), dist.new_cart_group([dist.get_world_size()], periods=True))
+    with exchange:
+        with pytest.raises(error, match="timeout"):
+            exchange.exchange(timeout=timeout)  # type: ignore[arg-type]
+        exchange.exchange(timeout=WAIT)  # nothing was started: the next step runs
+    if cls == "plan":
+        assert into.tolist() == [float(PREV)] * 2
+
+
+def test_plan_detects_a_reallocated_torch_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4)
+    plan = dist.P2PPlan([dist.P2POp(dist.isend, t, RANK, tag=4), dist.P2POp(dist.irecv, torch.zeros(4), RANK, tag=4)])
+    plan.exchange(timeout=WAIT)
+    t.resize_(10_000)
+    with pytest.raises(RuntimeError, match="tensor 0 was reallocated"):
+        plan.exchange()
+    plan.close()
+
+
+def test_plan_with_staged_device_tensors(fake: FakeAdapter) -> None:
+    devices.override_cuda_aware(False)
+    out = FakeDeviceArray(np.zeros(5))
+    into = FakeDeviceArray(np.zeros(5))
+    with dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT), dist.P2POp(dist.irecv, into, PREV)]) as plan:
+        for step in range(3):
+            out.array[...] = step + RANK
+            plan.exchange(timeout=WAIT)
+            np.testing.assert_array_equal(into.array, np.full(5, float(step + PREV)))
+    assert devices.staging_pool.in_use == 0
+    assert fake.log.count("to_host") == 3 and fake.log.count("from_host") == 3
+
+
+def test_plan_packs_large_strided_messages_and_leaves_the_rest_alone(kind: ArrayKind) -> None:
+    """A strided receive of at least PACK_MIN bytes is packed; only the viewed elements are written.  The columns
+    are numpy views wrapped as each kind (the sent one reversed where the kind has negative strides)."""
+    rows = 1100  # a column of 1100 float64 is 8800 bytes
+    order = slice(None, None, -1 if kind.negative_strides else 1)
+    base = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)
+    out = base + 10_000 * RANK
+    into = np.full((rows, 3), -1.0)
+    with dist.P2PPlan(
+        [
+            dist.P2POp(dist.isend, shared(kind, out[order, 1]), NEXT, tag=3),
+            dist.P2POp(dist.irecv, shared(kind, into[:, 2]), PREV, tag=3),
+        ]
+    ) as plan:
+        assert set(plan.paths) == {"packed"}
+        for step in range(2):
+            out[...] = base + 10_000 * RANK + step  # the plan sends what the numpy buffer holds now
+            plan.exchange(timeout=WAIT)
+            np.testing.assert_array_equal(into[:, 2], (base + 10_000 * PREV + step)[order, 1])
+            np.testing.assert_array_equal(into[:, :2], -1.0)
+
+
+def test_plan_use_after_destroy_raises_until_init() -> None:
+    """A plan over a destroyed group raises as every use of it does; a step in flight completes; close() works."""
+    out, into = np.zeros(3), np.zeros(3)
+    plan = dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT, tag=5), dist.P2POp(dist.irecv, into, PREV, tag=5)])
+    closed = dist.P2PPlan([dist.P2POp(dist.isend, out, NEXT, tag=6), dist.P2POp(dist.irecv, np.zeros(3), PREV, tag=6)])
+    out[...] = RANK + 1
+    plan.start()
+    dist.destroy_process_group()
+    try:
+        plan.wait(timeout=WAIT)  # started while the group was alive
+        np.testing.assert_array_equal(into, PREV + 1)
+        for call in ("exchange", "start"):
+            with pytest.raises(
+                RuntimeError,
+                match=rf"^P2PPlan\.{call}: process group 'WORLD' has been destroyed; call init_process_group\(\)",
+            ):
+                getattr(plan, call)()
+        with pytest.raises(RuntimeError, match=r"^P2PPlan\.wait: start\(\) was not called"):
+            plan.wait()  # nothing was started
+        closed.close()  # frees its requests and datatypes with the group gone
+        assert closed.messages == 0
+    finally:
+        dist.init_process_group()
+    out[...] = RANK + 2
+    plan.exchange(timeout=WAIT)  # the world is the same communicator again
+    np.testing.assert_array_equal(into, PREV + 2)
+    plan.close()
+    with pytest.raises(RuntimeError, match=r"^P2PPlan\.exchange: it has been closed"):
+        plan.exchange()
