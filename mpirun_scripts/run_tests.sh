@@ -9,7 +9,7 @@
 # Environment:
 #   TP2P_SIZES          world sizes to run (default "1 2 3 4"; oversubscribed on small machines)
 #   TP2P_CHECKED_SIZES  world sizes for the suite in checked mode, TENSORPLAY_P2P_CHECK=1 (default "3"; empty: none)
-#   TP2P_PYTHON_SIZES   world sizes for the suite on the pure-Python engine, TENSORPLAY_P2P_ACCEL=0 (default "2"; empty:
+#   TP2P_PYTHON_SIZES   world sizes for the suite on the pure-Python engine, TENSORPLAY_P2P_ACCEL=0 (default "2 3"; empty:
 #                       none); the other runs use the engine the install built (the compiled one where it could)
 #   TP2P_NETWORK_SIZES  world sizes for the network-path run (default "4"; empty to skip it)
 #   TP2P_TORCH_SIZES    world sizes for torch's own P2P tests with the package as their `dist` (tests/torchsuite/
@@ -39,7 +39,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 sizes=${TP2P_SIZES:-"1 2 3 4"}
 checked_sizes=${TP2P_CHECKED_SIZES-"3"}  # 3: a prime size with several peers, in one run (CI time)
-python_sizes=${TP2P_PYTHON_SIZES-"2"}
+python_sizes=${TP2P_PYTHON_SIZES-"2 3"}  # the reference engine at two sizes, one of them odd
 network_sizes=${TP2P_NETWORK_SIZES-"4"}  # 4: any-source receives with several possible senders (CI time: one run)
 other_mpi=${TP2P_OTHER_MPI-openmpi}
 stress_share=${TP2P_STRESS_SHARE:-4}  # CI's time: the runs at 1 and 2 ranks (pure Python's too) do every exchange

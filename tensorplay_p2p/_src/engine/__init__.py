@@ -24,7 +24,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["ENV", "accel", "check_abi", "hand_over", "loaded_abi", "name", "reason"]
+__all__ = ["ENV", "accel", "check_abi", "counts", "hand_over", "loaded_abi", "name", "reason"]
 
 ENV = "TENSORPLAY_P2P_ACCEL"
 
@@ -108,6 +108,18 @@ def hand_over(cls: type, method: str) -> Callable[..., Any]:
     own = vars(cls)[method]
     delattr(cls, method)
     return own.__func__ if isinstance(own, staticmethod) else own
+
+
+def counts() -> dict[str, tuple[int, int]]:
+    """How often the compiled engine took each call it stands in for, in this process.
+
+    Returns:
+        ``{call: (calls, handed)}``: ``calls`` it had and how many of them it ``handed`` to the Python reference
+        (a case it does not take: a strided or device tensor, checked mode, a timeout, the watchdog, ...), for
+        ``isend``, ``irecv``, ``send``, ``recv``, ``batch_isend_irecv``, ``P2POp``, ``Work.wait`` and
+        ``BatchWork.wait``; empty under the pure-Python engine, which takes none.
+    """
+    return dict(accel.counts()) if accel is not None else {}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -57,6 +57,17 @@ static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_wh
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
+/* --- counts: how many calls the engine took, and how many it handed to the Python reference ------------------ */
+
+enum { C_ISEND, C_IRECV, C_SEND, C_RECV, C_BATCH, C_OP, C_WORK_WAIT, C_BATCH_WAIT, C_CALLS };
+static const char *const call_names[C_CALLS] = {
+    "isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp", "Work.wait", "BatchWork.wait",
+};
+static Py_ssize_t calls_made[C_CALLS], calls_handed[C_CALLS]; /* under the GIL: plain increments */
+
+/* A call handed to its Python reference, counted: ``HANDED(C_ISEND, expression)``. */
+#define HANDED(which, expression) (calls_handed[which]++, (expression))
+
 static double
 monotonic(void)
 {
@@ -590,6 +601,7 @@ static PyObject *
 work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *timeout = nargs > 0 ? args[0] : Py_None;
+    calls_made[C_WORK_WAIT]++;
     if (work_filled(self) < 0)
         return NULL;
     int lean = ref_work_wait != NULL && nargs <= 1 && kwnames == NULL && timeout == Py_None &&
@@ -598,7 +610,7 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
                PyObject_TypeCheck(self->request, &PyMPIRequest_Type) &&
                PyDict_GetItemWithError(watchdog_dict, s_active) == Py_False;
     if (!lean)
-        return call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames);
+        return HANDED(C_WORK_WAIT, call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames));
     int receive = self->receive == Py_True;
     PyObject *held = Py_NewRef(self->request); /* alive while MPI writes its handle, whatever other threads do */
     MPI_Request *request = PyMPIRequest_Get(held);
@@ -617,7 +629,7 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     int mine = self->request == held && state_is(self->state, PENDING); /* not settled by another thread meanwhile */
     Py_DECREF(held);
     if (!mine)
-        return call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames);
+        return HANDED(C_WORK_WAIT, call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames));
     if (code != MPI_SUCCESS) {
         PyObject *st = receive ? new_status(&status) : Py_NewRef(Py_None);
         return st ? work_finish_in_python(self, s_fail, code, st) : NULL;
@@ -1072,11 +1084,12 @@ PyDoc_STRVAR(batch_wait_doc,
 static PyObject *
 batch_wait(BatchObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    calls_made[C_BATCH_WAIT]++;
     if (!(self->lean && !self->busy && nargs <= 1 && kwnames == NULL && (nargs == 0 || args[0] == Py_None) &&
           state_is(self->state, PENDING)))
         return self->lean && state_is(self->state, DONE) && nargs == 0 && kwnames == NULL
                    ? Py_NewRef(Py_True) /* completed here: every op succeeded */
-                   : call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames);
+                   : HANDED(C_BATCH_WAIT, call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames));
     Py_ssize_t n = self->n;
     MPI_Status small[SMALL], *statuses = n <= SMALL ? small : PyMem_Malloc(n * sizeof(MPI_Status));
     if (statuses == NULL)
@@ -1197,6 +1210,7 @@ static PyObject *
 op_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *a[6];
+    calls_made[C_OP]++;
     if (ref_new_op == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
         return NULL;
@@ -1217,7 +1231,7 @@ op_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyTuple_SET_ITEM(full, 0, Py_NewRef((PyObject *)type));
     for (Py_ssize_t i = 0; i < nargs; i++)
         PyTuple_SET_ITEM(full, i + 1, Py_NewRef(PyTuple_GET_ITEM(args, i)));
-    PyObject *self = PyObject_Call(ref_new_op, full, kwds);
+    PyObject *self = HANDED(C_OP, PyObject_Call(ref_new_op, full, kwds));
     Py_DECREF(full);
     return self;
 }
@@ -1303,18 +1317,19 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *list = nargs == 1 && kwnames == NULL ? args[0] : NULL;
     Py_ssize_t n = list != NULL && PyList_CheckExact(list) ? PyList_GET_SIZE(list) : 0;
+    calls_made[C_BATCH]++;
     if (ref_batch == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
         return NULL;
     }
     PyObject *first = n > 0 ? PyList_GET_ITEM(list, 0) : NULL;
     if (first == NULL || Py_TYPE(first) != (PyTypeObject *)Op_type || !gate())
-        return PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+        return HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
     PyObject *group = PyTuple_GET_ITEM(first, 3); /* the op holds it, and the ops are held below */
     PyObject *pg = group == Py_None ? world : group;
     PyObject *comm = group_comm(pg);
     if (comm == NULL)
-        return PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+        return HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
     Posting small[SMALL], *ops = n <= SMALL ? small : PyMem_Calloc(n, sizeof(Posting));
     Span small_spans[SMALL], *spans = n <= SMALL ? small_spans : PyMem_Calloc(n, sizeof(Span));
     PyObject *result = NULL, *taken = NULL, *held = Py_NewRef(first);
@@ -1357,7 +1372,7 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
     if (ready < n || PyList_GET_SIZE(list) != n) {
         discard(ops, ready);
         if (give_back(taken) == 0 && fallback)
-            result = PyObject_Vectorcall(ref_batch, args, nargsf, kwnames);
+            result = HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
         goto out;
     }
     if (n > 1 && receives) {
@@ -1550,26 +1565,28 @@ lean_post(PyObject *reference, PyObject *what, int receive, PyObject *const *arg
     PyObject *a[5], *taken = NULL, *pg, *comm = NULL;
     Buffer buffer;
     int peer, tag;
+    int which = receive ? C_IRECV : C_ISEND;
+    calls_made[which]++;
     if (p2p_args(args, nargs, kwnames, receive ? "src" : "dst", receive ? "group_src" : "group_dst", a) &&
         lean_target(a, receive, &pg, &peer, &tag))
         comm = group_comm(pg);
     if (comm == NULL)
-        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+        return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
     int r = lean_buffer(a[0], receive, what, &buffer, &taken);
     if (r <= 0) {
         Py_DECREF(comm);
         if (r < 0)
             return NULL;
-        if (taken != NULL)
-            return release_retired_after(python_work(pg, receive, peer, tag, taken, what));
-        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+        if (taken != NULL) /* resolved here, with more to do after MPI: the Python Work posts it */
+            return release_retired_after(HANDED(which, python_work(pg, receive, peer, tag, taken, what)));
+        return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
     }
     WorkObject *work = reap() == 0 ? new_work(pg, receive, peer, tag, &buffer) : NULL;
     Py_XDECREF(buffer.keep); /* the Work holds it now, unless it could not be made */
     if (work != NULL && post_work(work, comm, &buffer, peer, tag) != MPI_SUCCESS) {
         Py_CLEAR(work); /* not posted: the Python path posts it again and words MPI's error */
         Py_DECREF(comm);
-        return release_retired_after(PyObject_Vectorcall(reference, args, nargs, kwnames));
+        return release_retired_after(HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames)));
     }
     Py_DECREF(comm);
     return release_retired_after((PyObject *)work);
@@ -1598,13 +1615,16 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
     PyObject *a[5], *taken = NULL, *pg, *comm = NULL;
     Buffer buffer;
     int peer, tag, code;
+    int which = receive ? C_RECV : C_SEND;
+    calls_made[which]++;
     if (p2p_args(args, nargs, kwnames, receive ? "src" : "dst", receive ? "group_src" : "group_dst", a) &&
         lean_target(a, receive, &pg, &peer, &tag) && peer != own_rank(pg)) /* a call to itself: the Python error */
         comm = group_comm(pg);
     if (comm == NULL)
-        return PyObject_Vectorcall(reference, args, nargs, kwnames);
+        return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
     int r = lean_buffer(a[0], receive, what, &buffer, &taken);
     if (r == 0 && taken != NULL) { /* as ops._blocking does with a buffer that has more to do: a Work, waited */
+        calls_handed[which]++;
         Py_DECREF(comm);
         PyObject *work = python_work(pg, receive, peer, tag, taken, what);
         PyObject *done = work ? PyObject_CallMethodNoArgs(work, s_wait) : NULL;
@@ -1619,7 +1639,7 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
         Py_DECREF(comm);
         if (r > 0)
             Py_DECREF(buffer.keep);
-        return r == 0 ? PyObject_Vectorcall(reference, args, nargs, kwnames) : NULL;
+        return r == 0 ? HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames)) : NULL;
     }
     MPI_Status status;
     MPI_Datatype datatype = datatype_of(&buffer);
@@ -1695,15 +1715,68 @@ PyDoc_STRVAR(recv_doc,
 
 /* --- setup ----------------------------------------------------------------------------------------- */
 
+/* What setup_work and setup_ops take, by keyword: one table each, so that ``contract()`` lists exactly what they
+ * take.  A keyword missing or unknown is a TypeError at import, never a silent fallback. */
+typedef struct {
+    const char *name;
+    PyObject **slot;
+} Reference;
+
+static PyObject *tag_ub_obj, *world_size_obj, *world_rank_obj; /* read into tag_ub, world_size, world_rank */
+
+static Reference work_references[] = {
+    {"work", &Work_type},          {"batch", &Batch_type},
+    {"work_wait", &ref_work_wait}, {"batch_wait", &ref_batch_wait},
+    {"dropped", &dropped},         {"reap_dropped", &reap_dropped},
+    {"watchdog", &watchdog_dict},  {"request_null", &request_null},
+    {"pending", &pending_obj},     {"done", &done_obj},
+    {"failed", &failed_obj},       {"busy_error", &busy_error},
+};
+
+static Reference ops_references[] = {
+    {"world", &world},
+    {"group_type", &group_type},
+    {"op", &Op_type},
+    {"new_op", &ref_new_op},
+    {"isend", &ref_isend},
+    {"irecv", &ref_irecv},
+    {"send", &ref_send},
+    {"recv", &ref_recv},
+    {"batch", &ref_batch},
+    {"resolvers", &resolvers},
+    {"resolve", &resolve},
+    {"release", &release},
+    {"overlap_error", &overlap_error},
+    {"failure", &failure},
+    {"size_error", &size_error},
+    {"state", &state},
+    {"validate", &validate_dict},
+    {"retired", &retired},
+    {"release_retired", &release_retired},
+    {"ndarray", &ndarray},
+    {"mpi_exception", &mpi_exception},
+    {"tag_ub", &tag_ub_obj},
+    {"world_size", &world_size_obj},
+    {"world_rank", &world_rank_obj},
+};
+
+#define COUNT(table) ((Py_ssize_t)(sizeof table / sizeof table[0]))
+
 static int
-take(PyObject *kwargs, const char *name, PyObject **slot)
+take(const char *what, PyObject *kwargs, Reference *table, Py_ssize_t n)
 {
-    PyObject *value = PyDict_GetItemString(kwargs, name);
-    if (value == NULL) {
-        PyErr_Format(PyExc_TypeError, "setup: missing %s", name);
+    if (kwargs == NULL || PyDict_Size(kwargs) != n) {
+        PyErr_Format(PyExc_TypeError, "%s: takes exactly %zd keyword references (see contract()), got %zd", what, n,
+                     kwargs == NULL ? (Py_ssize_t)0 : PyDict_Size(kwargs));
         return -1;
     }
-    Py_XSETREF(*slot, Py_NewRef(value));
+    for (Py_ssize_t i = 0; i < n; i++) /* every one checked before any is taken: nothing half set */
+        if (PyDict_GetItemString(kwargs, table[i].name) == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s: missing %s (see contract())", what, table[i].name);
+            return -1;
+        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XSETREF(*table[i].slot, Py_NewRef(PyDict_GetItemString(kwargs, table[i].name)));
     return 0;
 }
 
@@ -1715,12 +1788,7 @@ PyDoc_STRVAR(setup_work_doc, "setup_work($module, /, **references)\n--\n\n"
 static PyObject *
 setup_work(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    if (kwargs == NULL || take(kwargs, "work", &Work_type) || take(kwargs, "batch", &Batch_type) ||
-        take(kwargs, "work_wait", &ref_work_wait) || take(kwargs, "batch_wait", &ref_batch_wait) ||
-        take(kwargs, "dropped", &dropped) || take(kwargs, "reap_dropped", &reap_dropped) ||
-        take(kwargs, "watchdog", &watchdog_dict) || take(kwargs, "request_null", &request_null) ||
-        take(kwargs, "pending", &pending_obj) || take(kwargs, "done", &done_obj) ||
-        take(kwargs, "failed", &failed_obj) || take(kwargs, "busy_error", &busy_error))
+    if (take("setup_work", kwargs, work_references, COUNT(work_references)) < 0)
         return NULL;
     if (!PyList_CheckExact(dropped) || !PyDict_Check(watchdog_dict) || !PyType_Check(Work_type) ||
         !PyType_IsSubtype((PyTypeObject *)Work_type, &WorkBase_Type) || !PyType_Check(Batch_type) ||
@@ -1742,25 +1810,11 @@ PyDoc_STRVAR(setup_ops_doc, "setup_ops($module, /, **references)\n--\n\n"
 static PyObject *
 setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    PyObject *tag_ub_obj = NULL, *size_obj = NULL, *rank_obj = NULL;
-    if (kwargs == NULL || take(kwargs, "world", &world) || take(kwargs, "group_type", &group_type) ||
-        take(kwargs, "op", &Op_type) || take(kwargs, "new_op", &ref_new_op) || take(kwargs, "isend", &ref_isend) ||
-        take(kwargs, "irecv", &ref_irecv) || take(kwargs, "send", &ref_send) || take(kwargs, "recv", &ref_recv) ||
-        take(kwargs, "batch", &ref_batch) || take(kwargs, "resolvers", &resolvers) ||
-        take(kwargs, "resolve", &resolve) || take(kwargs, "release", &release) ||
-        take(kwargs, "overlap_error", &overlap_error) || take(kwargs, "failure", &failure) ||
-        take(kwargs, "size_error", &size_error) || take(kwargs, "state", &state) ||
-        take(kwargs, "validate", &validate_dict) || take(kwargs, "retired", &retired) ||
-        take(kwargs, "release_retired", &release_retired) || take(kwargs, "ndarray", &ndarray) ||
-        take(kwargs, "mpi_exception", &mpi_exception) || take(kwargs, "tag_ub", &tag_ub_obj) ||
-        take(kwargs, "world_size", &size_obj) || take(kwargs, "world_rank", &rank_obj))
+    if (take("setup_ops", kwargs, ops_references, COUNT(ops_references)) < 0)
         return NULL;
     tag_ub = PyLong_AsLong(tag_ub_obj);
-    world_size = (int)PyLong_AsLong(size_obj);
-    world_rank = (int)PyLong_AsLong(rank_obj);
-    Py_DECREF(tag_ub_obj);
-    Py_DECREF(size_obj);
-    Py_DECREF(rank_obj);
+    world_size = (int)PyLong_AsLong(world_size_obj);
+    world_rank = (int)PyLong_AsLong(world_rank_obj);
     if (PyErr_Occurred())
         return NULL;
     if (!PyDict_Check(resolvers) || !PyList_CheckExact(retired) || !PyDict_Check(validate_dict) ||
@@ -1773,6 +1827,17 @@ setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(contract_doc, "contract($module, /)\n--\n\n"
+                           "What the engine takes from Python: ``setup_work`` and ``setup_ops``'s keywords, and every "
+                           "name it reads, as ``(owner, name)`` (owner None: a word for messages).");
+
+PyDoc_STRVAR(counts_doc, "counts($module, /)\n--\n\n"
+                         "For each call the engine stands in for, ``(calls, handed)``: how many calls it had, and how "
+                         "many of them it handed to the Python reference.");
+
+static PyObject *contract(PyObject *module, PyObject *unused); /* below, with the names */
+static PyObject *counts(PyObject *module, PyObject *unused);
+
 static PyMethodDef module_methods[] = {
     {"isend", (PyCFunction)(void (*)(void))lean_isend, METH_FASTCALL | METH_KEYWORDS, isend_doc},
     {"irecv", (PyCFunction)(void (*)(void))lean_irecv, METH_FASTCALL | METH_KEYWORDS, irecv_doc},
@@ -1783,6 +1848,8 @@ static PyMethodDef module_methods[] = {
     {"waiting", (PyCFunction)waiting, METH_NOARGS, waiting_doc},
     {"setup_work", (PyCFunction)(void (*)(void))setup_work, METH_VARARGS | METH_KEYWORDS, setup_work_doc},
     {"setup_ops", (PyCFunction)(void (*)(void))setup_ops, METH_VARARGS | METH_KEYWORDS, setup_ops_doc},
+    {"contract", contract, METH_NOARGS, contract_doc},
+    {"counts", counts, METH_NOARGS, counts_doc},
     {NULL},
 };
 
@@ -1849,6 +1916,87 @@ show_reference_wait_docs(void)
     return 0;
 }
 
+/* Every name the engine reads from Python, and what it reads it on: one table, interned at import and listed by
+ * ``contract()``, so that tests/engine/test_contract.py checks that each resolves.  Without that, a rename on the
+ * Python side would move calls off the compiled path without a word (``gate`` takes a missing flag as "not lean"). */
+typedef struct {
+    PyObject **slot;
+    const char *text;
+    const char *owner; /* what it is read on, as the contract test names it; NULL: a word for messages */
+} Name;
+
+static Name names[] = {
+    {&s_checked, "checked", "settings.state"},
+    {&s_active, "active", "process.watchdog"},
+    {&s_single_threaded, "single_threaded", "p2p.validate"},
+    {&s_communicator, "communicator", "ProcessGroup"},
+    {&s_global_of, "global_of", "ProcessGroup"},
+    {&s_group_of, "group_of", "ProcessGroup"},
+    {&s_fail, "fail", "Work"},
+    {&s_complete, "complete", "Work"},
+    {&s_wait, "wait", "Work"},
+    {&s_source_rank, "source_rank", "Work"},
+    {&s_finish, "_finish", "BatchWork"},
+    {&s_withdraw, "_withdraw", "BatchWork"},
+    {&s_profiler_module, "torch.autograd.profiler", "sys.modules"},
+    {&s_profiler_flag, "_is_profiler_enabled", "torch.autograd.profiler"},
+    {&s_batch_what, "batch_isend_irecv", NULL},
+    {&s_isend_what, "isend", NULL},
+    {&s_irecv_what, "irecv", NULL},
+    {&s_send_what, "send", NULL},
+    {&s_recv_what, "recv", NULL},
+};
+
+static PyObject *
+references_tuple(Reference *table, Py_ssize_t n)
+{
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(table[i].name);
+        if (name == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, i, name);
+    }
+    return t;
+}
+
+static PyObject *
+contract(PyObject *module, PyObject *unused)
+{
+    PyObject *attributes = PyTuple_New(COUNT(names));
+    for (Py_ssize_t i = 0; attributes != NULL && i < COUNT(names); i++) {
+        PyObject *pair = names[i].owner ? Py_BuildValue("(ss)", names[i].owner, names[i].text)
+                                        : Py_BuildValue("(Os)", Py_None, names[i].text);
+        if (pair == NULL)
+            Py_CLEAR(attributes);
+        else
+            PyTuple_SET_ITEM(attributes, i, pair);
+    }
+    PyObject *work = references_tuple(work_references, COUNT(work_references));
+    PyObject *ops = references_tuple(ops_references, COUNT(ops_references));
+    PyObject *result = attributes && work && ops
+                           ? Py_BuildValue("{sOsOsO}", "setup_work", work, "setup_ops", ops, "names", attributes)
+                           : NULL;
+    Py_XDECREF(attributes);
+    Py_XDECREF(work);
+    Py_XDECREF(ops);
+    return result;
+}
+
+static PyObject *
+counts(PyObject *module, PyObject *unused)
+{
+    PyObject *result = PyDict_New();
+    for (int i = 0; result != NULL && i < C_CALLS; i++) {
+        PyObject *pair = Py_BuildValue("(nn)", calls_made[i], calls_handed[i]);
+        if (pair == NULL || PyDict_SetItemString(result, call_names[i], pair) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(pair);
+    }
+    return result;
+}
+
 static struct PyModuleDef accel_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_accel",
@@ -1875,15 +2023,9 @@ PyInit__accel(void)
     work_getset_init();
     if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0)
         return NULL;
-    if (intern(&s_checked, "checked") || intern(&s_active, "active") || intern(&s_single_threaded, "single_threaded") ||
-        intern(&s_communicator, "communicator") || intern(&s_global_of, "global_of") ||
-        intern(&s_group_of, "group_of") || intern(&s_fail, "fail") || intern(&s_complete, "complete") ||
-        intern(&s_finish, "_finish") || intern(&s_withdraw, "_withdraw") || intern(&s_wait, "wait") ||
-        intern(&s_source_rank, "source_rank") || intern(&s_batch_what, "batch_isend_irecv") ||
-        intern(&s_isend_what, "isend") || intern(&s_irecv_what, "irecv") || intern(&s_send_what, "send") ||
-        intern(&s_recv_what, "recv") || intern(&s_profiler_module, "torch.autograd.profiler") ||
-        intern(&s_profiler_flag, "_is_profiler_enabled"))
-        return NULL;
+    for (Py_ssize_t i = 0; i < COUNT(names); i++)
+        if (intern(names[i].slot, names[i].text) < 0)
+            return NULL;
     PyObject *m = PyModule_Create(&accel_module);
     if (m == NULL)
         return NULL;

@@ -1,0 +1,153 @@
+"""The contract between the compiled engine and the Python code, enforced: every name the C code reads from Python
+resolves, the handles' field lists are the C members, and the common cases are counted as taken by the compiled
+path.  A rename on the Python side fails here instead of silently moving calls off the compiled path."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from world import NEXT, PREV, RANK, SIZE, WAIT
+
+import tensorplay_p2p as dist
+import tensorplay_p2p.config
+from tensorplay_p2p._src import engine, settings
+from tensorplay_p2p._src.p2p import validate, work
+from tensorplay_p2p._src.process import watchdog
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+compiled_only = pytest.mark.skipif(engine.accel is None, reason="the pure-Python engine has no compiled path")
+
+
+def _in_dict(owner: dict[str, Any]) -> Callable[[str], bool]:
+    return lambda name: name in owner
+
+
+def _on(owner: object) -> Callable[[str], bool]:
+    return lambda name: hasattr(owner, name)
+
+
+def _profiler(name: str) -> bool:
+    profiler = pytest.importorskip("torch.autograd.profiler")
+    return hasattr(profiler, name)
+
+
+# What each owner in the engine's contract is, in this process (the C code names them; this maps them to objects).
+OWNERS: dict[str, Callable[[str], bool]] = {
+    "settings.state": _on(settings.state),
+    "process.watchdog": _in_dict(vars(watchdog)),
+    "p2p.validate": _in_dict(vars(validate)),
+    "ProcessGroup": _on(dist.group.WORLD),
+    "Work": _on(dist.Work),
+    "BatchWork": _on(dist.BatchWork),
+    "sys.modules": lambda name: importlib.util.find_spec(name) is not None or name.startswith("torch."),
+    "torch.autograd.profiler": _profiler,
+}
+
+
+@compiled_only
+def test_every_name_the_engine_reads_resolves() -> None:
+    names = engine.accel.contract()["names"]
+    owners = {owner for owner, _ in names if owner is not None}
+    assert owners == set(OWNERS), f"the engine reads names on {owners}; this test knows {set(OWNERS)}"
+    missing = [f"{owner}.{name}" for owner, name in names if owner is not None and not OWNERS[owner](name)]
+    assert not missing, f"the compiled engine reads names the Python side no longer has: {missing}"
+
+
+@compiled_only
+def test_the_setup_calls_give_the_engine_exactly_what_it_takes() -> None:
+    """The engine refuses a setup call with a keyword missing or unknown (so an import would fail, never fall back
+    in silence); its two lists have no name twice."""
+    contract = engine.accel.contract()
+    for keywords in (contract["setup_work"], contract["setup_ops"]):
+        assert len(set(keywords)) == len(keywords)
+    with pytest.raises(TypeError, match="setup_work: takes exactly 12 keyword references"):
+        engine.accel.setup_work(work=dist.Work)
+    references = {name: object() for name in contract["setup_ops"][:-1]}
+    with pytest.raises(TypeError, match="setup_ops: missing world_rank"):  # and nothing taken: the engine runs on
+        engine.accel.setup_ops(**references, unknown=1)
+
+
+@compiled_only
+def test_the_handles_field_lists_are_the_c_members() -> None:
+    def members(cls: type) -> set[str]:
+        kinds = ("getset_descriptor", "member_descriptor")
+        return {name for name, value in vars(cls).items() if type(value).__name__ in kinds}
+
+    assert members(engine.accel.WorkBase) == set(work._WORK_FIELDS)
+    # BatchBase's ``_lean`` is the C code's own read-only view of the ops it holds; Python never sets it.
+    assert members(engine.accel.BatchBase) == {*work._BATCH_FIELDS, "_lean"}
+
+
+def _delta(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    after = engine.counts()
+    return {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after if after[k] != before[k]}
+
+
+@compiled_only
+def test_the_common_cases_are_counted_as_taken_by_the_compiled_path() -> None:
+    """Every message completes on every rank before anything is asserted, so that a failure strands nobody."""
+    out, into = np.full(4, float(RANK)), np.zeros(4)
+    before = engine.counts()
+    ops = [dist.P2POp(dist.irecv, into, PREV, tag=81), dist.P2POp(dist.isend, out, NEXT, tag=81)]
+    dist.batch_isend_irecv(ops).wait()
+    receive, send = dist.irecv(into, PREV, tag=82), dist.isend(out, NEXT, tag=82)
+    assert send is not None and receive is not None
+    send.wait()
+    receive.wait()
+    made = {"P2POp": 2, "batch_isend_irecv": 1, "BatchWork.wait": 1, "isend": 1, "irecv": 1, "Work.wait": 2}
+    # Checked mode hands every call but P2POp's construction to Python: its header travels with each message.
+    handed = {k: n if settings.state.checked and k != "P2POp" else 0 for k, n in made.items()}
+    assert _delta(before) == {k: (made[k], handed[k]) for k in made}
+    assert into.tolist() == [float(PREV)] * 4
+
+
+@compiled_only
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(settings.state.checked, reason="checked mode hands every call to Python (the test above)")
+def test_blocking_calls_are_counted_and_a_wait_with_a_timeout_is_handed_over() -> None:
+    out, into = np.full(2, float(RANK)), np.zeros(2)
+    before = engine.counts()
+    if RANK == 0:
+        dist.send(out, 1, tag=83)
+    elif RANK == 1:
+        dist.recv(into, 0, tag=83)
+    blocking = _delta(before)
+    before = engine.counts()
+    receive, send = dist.irecv(into, PREV, tag=84), dist.isend(out, NEXT, tag=84)
+    assert send is not None and receive is not None
+    receive.wait(timeout=WAIT)  # a timeout: the Python wait, which polls
+    send.wait(timeout=WAIT)
+    timed = _delta(before)
+    assert blocking == {0: {"send": (1, 0)}, 1: {"recv": (1, 0)}}.get(RANK, {})
+    assert timed == {"isend": (1, 0), "irecv": (1, 0), "Work.wait": (2, 2)}
+    assert into.tolist() == [float(PREV)] * 2
+
+
+@compiled_only
+def test_a_packed_strided_message_is_counted_as_handed_to_python() -> None:
+    """Strided host messages in the packing range are resolved in C but posted by a Python Work (their copy back)."""
+    out = np.arange(4096.0) + RANK  # every other element: 2048 float64, 16 KiB, packed
+    into = np.zeros(4096)
+    before = engine.counts()
+    receive, send = dist.irecv(into[::2], PREV, tag=85), dist.isend(out[::2], NEXT, tag=85)
+    assert send is not None and receive is not None
+    send.wait(timeout=WAIT)
+    receive.wait(timeout=WAIT)
+    assert _delta(before) == {"isend": (1, 1), "irecv": (1, 1), "Work.wait": (2, 2)}  # in checked mode too
+    assert into[::2].tolist() == (np.arange(4096.0) + PREV)[::2].tolist() and not into[1::2].any()
+
+
+def test_the_counts_are_public_and_empty_under_pure_python() -> None:
+    counts = tensorplay_p2p.config.engine_counts()
+    if engine.accel is None:
+        assert counts == {}
+    else:
+        names = {"isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp", "Work.wait", "BatchWork.wait"}
+        assert set(counts) == names and all(made >= handed >= 0 for made, handed in counts.values())
+    assert SIZE >= 1 and "tensorplay_p2p" in sys.modules
