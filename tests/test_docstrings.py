@@ -132,12 +132,13 @@ def test_every_public_class_says_its_arguments_and_its_methods_theirs() -> None:
 
 def test_the_compiled_calls_show_the_python_reference_s_docstring() -> None:
     from tensorplay_p2p._src import engine
+    from tensorplay_p2p._src.collectives import api
     from tensorplay_p2p._src.p2p import ops, work
 
     if engine.accel is None:
         pytest.skip("the pure-Python engine: the calls are the Python functions")
-    for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv"):
-        compiled, python = getattr(dist, name), ops.reference[name]
+    for name, python in [*ops.reference.items(), *api.reference.items()]:
+        compiled = getattr(dist, name)
         assert compiled is not python
         assert inspect.getdoc(compiled) == inspect.getdoc(python), name
         shape = [(p.name, p.kind, p.default) for p in inspect.signature(python).parameters.values()]

@@ -206,6 +206,29 @@ def describe_op(receive: bool, group: _Group, peer: int, tag: int, nbytes: int, 
     return f"{verb(receive)} {direction} {text}, tag {tag}, {nbytes} bytes, group {group.name!r}{pending}"
 
 
+def describe_collective(
+    name: str,
+    group: Any,
+    root: int | None,
+    detail: tuple[str | None, str | None, int],
+    waited: float | None = None,
+) -> str:
+    """One line naming a collective: its root (global and group rank), op, dtype, bytes, group and how long it has
+    waited; ``detail`` is (op, dtype, bytes), each None or 0 where the collective has none."""
+    op, dtype, nbytes = detail
+    at = "" if root is None else f" with root {group.peer_text(root)} (group rank {root})"
+    what = ", ".join([*filter(None, (op, dtype)), f"{nbytes} bytes"]) if dtype or nbytes else ""
+    pending = "" if waited is None else f", pending for {waited:.1f} s"
+    return f"{name}{at}{f' ({what})' if what else ''} on {group.describe()}{pending}"
+
+
+def pending_collective(
+    name: str, group: Any, root: int | None, detail: tuple[str | None, str | None, int], waited: float
+) -> str:
+    """The watchdog's and a signal report's line for a collective still pending after ``waited`` seconds."""
+    return f"{describe_collective(name, group, root, detail, waited)}; every member of the group must call {name}"
+
+
 def describe_message(
     what: str,
     receive: bool,

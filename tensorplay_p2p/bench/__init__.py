@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from . import _profile
+from . import _floor, _profile
 from ._config import IMPLS, Config, build_parser, parse_args
 from ._gloo import start_gloo
 from ._patterns import PATTERNS
@@ -76,11 +76,16 @@ def measure_all(config: Config) -> list[Result]:
             say(f"skipping {name}: it needs {pattern.min_ranks} ranks, this run has {ctx.ranks}")
         else:
             patterns.append(pattern)
+    if "C" in ctx.impls:
+        ctx.floor, why = _floor.load()
+        if ctx.floor is None:
+            say(f"leaving out the C series: {why}")
+            ctx.impls = tuple(i for i in ctx.impls if i != "C")
     started = False
     if "gloo" in config.impls:
         ctx.gloo, started = start_gloo(config, hosts)
         if ctx.gloo is None:
-            ctx.impls = tuple(i for i in config.impls if i != "gloo")
+            ctx.impls = tuple(i for i in ctx.impls if i != "gloo")
     chosen = [(pattern, size) for pattern in patterns for size in sizes_for(config, pattern)]
     results: list[Result] = []
     try:

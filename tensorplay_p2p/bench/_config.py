@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-IMPLS = ("tensorplay", "mpi4py", "gloo")
+IMPLS = ("tensorplay", "mpi4py", "C", "gloo")  # C: the floor, the package's MPI calls in a C loop
 POINT_TO_POINT = ("latency", "bw", "bw_strided", "bibw", "mbw_mr", "batch", "exchange", "halo2d", "halo3d")
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 PATTERN_NAMES = (*POINT_TO_POINT, *COLLECTIVES)  # the keys of ``_patterns.PATTERNS``, in its order

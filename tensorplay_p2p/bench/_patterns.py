@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -93,6 +94,18 @@ def latency_mpi4py(s: Setting) -> Loop:
                 COMM.Send(out, peer, DATA_TAG)
 
     return Loop(timed(body))
+
+
+def latency_floor(s: Setting) -> Loop:
+    """The same ping-pong with MPI_Send/MPI_Recv in a C loop (the floor)."""
+    out, into, peer = filled(s.size), empty(s.size), s.peer
+    call = s.ctx.floor.floor_latency
+    handle = COMM.py2f()
+    return Loop(lambda n: float(call(handle, _address(out), _address(into), s.size, peer, DATA_TAG, int(s.leader), n)))
+
+
+def _address(array: npt.NDArray[Any]) -> ctypes.c_void_p:
+    return ctypes.c_void_p(array.ctypes.data)
 
 
 def latency_gloo(s: Setting) -> Loop:
@@ -388,6 +401,14 @@ def exchange_mpi4py(s: Setting) -> Loop:
     return Loop(timed(body))
 
 
+def exchange_floor(s: Setting) -> Loop:
+    """The same Irecv + Isend + Waitall in a C loop (the floor)."""
+    out, into, peer = filled(s.size), empty(s.size), s.peer
+    call = s.ctx.floor.floor_exchange
+    handle = COMM.py2f()
+    return Loop(lambda n: float(call(handle, _address(out), _address(into), s.size, peer, DATA_TAG, n)))
+
+
 def exchange_gloo(s: Setting) -> Loop:
     """torch.distributed.batch_isend_irecv([irecv, isend]), each work waited."""
     gloo, out, into, peer = s.ctx.gloo, torch_view(filled(s.size)), torch_view(empty(s.size)), s.peer
@@ -555,23 +576,36 @@ def collective_tensorplay(name: str, checked: bool) -> Builder:
 
 
 def collective_mpi4py(name: str) -> Builder:
-    """The hand-written nonblocking collective of mpi4py, then ``Wait``."""
+    """The hand-written blocking collective of mpi4py: the reference the package's call is held to."""
 
     def build(s: Setting) -> Loop:
         source, into = collective_buffers(name, s.size)
-        post: Callable[[], MPI.Request] = {
-            "all_reduce": lambda: COMM.Iallreduce(MPI.IN_PLACE, into, MPI.SUM),
-            "broadcast": lambda: COMM.Ibcast(into, 0),
-            "all_gather_into_tensor": lambda: COMM.Iallgather(source, into),
-            "reduce_scatter_tensor": lambda: COMM.Ireduce_scatter_block(source, into, MPI.SUM),
-            "all_to_all_single": lambda: COMM.Ialltoall(source, into),
+        call: Callable[[], None] = {
+            "all_reduce": lambda: COMM.Allreduce(MPI.IN_PLACE, into, MPI.SUM),
+            "broadcast": lambda: COMM.Bcast(into, 0),
+            "all_gather_into_tensor": lambda: COMM.Allgather(source, into),
+            "reduce_scatter_tensor": lambda: COMM.Reduce_scatter_block(source, into, MPI.SUM),
+            "all_to_all_single": lambda: COMM.Alltoall(source, into),
         }[name]
 
         def body(n: int) -> None:
             for _ in range(n):
-                post().Wait()
+                call()
 
         return Loop(timed(body))
+
+    return build
+
+
+def collective_floor(name: str) -> Builder:
+    """The package's nonblocking MPI collective and MPI_Wait, in a C loop (the floor)."""
+
+    def build(s: Setting) -> Loop:
+        source, into = collective_buffers(name, s.size)
+        which = COLLECTIVES.index(name)
+        call = s.ctx.floor.floor_collective
+        handle, count = COMM.py2f(), max(s.size // 4, 1)
+        return Loop(lambda n: float(call(which, handle, _address(source), _address(into), count, n)))
 
     return build
 
@@ -615,6 +649,7 @@ def collective_pattern(name: str) -> Pattern:
             Series("tensorplay", "tensorplay", collective_tensorplay(name, False)),
             Series("tensorplay[checked]", "tensorplay", collective_tensorplay(name, True)),
             Series("mpi4py", "mpi4py", collective_mpi4py(name)),
+            Series("C", "C", collective_floor(name)),
             Series("gloo", "gloo", collective_gloo(name)),
         ),
         volume=collective_volume,
@@ -674,7 +709,10 @@ PATTERNS: dict[str, Pattern] = {
             headline="time",
             pairing="first-two",
             iteration="half round trip",
-            series=standard_series(latency_tensorplay, latency_mpi4py, latency_gloo),
+            series=(
+                *standard_series(latency_tensorplay, latency_mpi4py, latency_gloo),
+                Series("C", "C", latency_floor),
+            ),
             volume=latency_volume,
             counts=LATENCY_COUNTS,
         ),
@@ -735,6 +773,7 @@ PATTERNS: dict[str, Pattern] = {
                 Series("tensorplay[isend]", "tensorplay", exchange_tensorplay_isend),
                 Series("tensorplay[plan]", "tensorplay", exchange_tensorplay_plan),
                 Series("mpi4py", "mpi4py", exchange_mpi4py),
+                Series("C", "C", exchange_floor),
                 Series("gloo", "gloo", exchange_gloo),
             ),
             volume=exchange_volume,

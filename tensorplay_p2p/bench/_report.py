@@ -91,7 +91,7 @@ def table_columns(pattern: Pattern, rows: list[Result]) -> list[Column]:
     columns = [Column(n, n, "headline") for n in names]
     if pattern.show_rate:
         columns += [Column(f"{n} Mmsg/s", n, "rate") for n in names]
-    for other in ("mpi4py", "gloo"):
+    for other in ("mpi4py", "C", "gloo"):
         if other in names:
             columns += [Column(f"{n}/{other}", n, f"ratio_vs_{other}") for n in names if n.startswith("tensorplay")]
     return columns

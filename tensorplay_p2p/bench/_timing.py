@@ -38,6 +38,7 @@ class Context:
     ranks: int
     impls: tuple[str, ...] = IMPLS  # those in use (gloo dropped when it cannot start)
     gloo: Any = None  # torch.distributed once gloo is initialised
+    floor: Any = None  # the C floor's library (``_floor.load``), when the C series runs
     carts: dict[int, tp.CartGroup] = field(default_factory=dict)
 
     def cart(self, ndim: int) -> tp.CartGroup:
@@ -130,6 +131,7 @@ class Result:
     message_rate: float  # messages per second
     ratio_vs_mpi4py: float | None = None  # tensorplay series only: time ratio, or bandwidth ratio for bw patterns
     ratio_vs_gloo: float | None = None
+    ratio_vs_C: float | None = None  # noqa: N815 (the series' name)
 
 
 # --- loops ------------------------------------------------------------------------------
@@ -249,6 +251,7 @@ def add_ratios(pattern: Pattern, results: list[Result]) -> None:
         if result.impl == "tensorplay":
             result.ratio_vs_mpi4py = ratio(result, by_series.get("mpi4py"))
             result.ratio_vs_gloo = ratio(result, by_series.get("gloo"))
+            result.ratio_vs_C = ratio(result, by_series.get("C"))
 
 
 def measure(ctx: Context, pattern: Pattern, size: int) -> list[Result]:

@@ -128,3 +128,24 @@ def test_hand_written_halo_fills_the_same_ghosts_as_halo_exchange() -> None:
 def test_the_command_line_names_every_pattern_in_the_table_s_order() -> None:
     assert tuple(_patterns.PATTERNS) == _config.PATTERN_NAMES
     assert tuple(p.name for p in _patterns.PATTERNS.values() if p.pairing == "all") == _config.COLLECTIVES
+
+
+def test_the_c_floor_is_built_and_timed_beside_the_package() -> None:
+    """The C series: built with the MPI library's mpicc (the wheel brings one), one figure per size, and the package's
+    ratio to it; where it cannot be built, the run leaves it out instead of failing."""
+    from tensorplay_p2p.bench import _floor
+
+    floor, why = _floor.load()
+    assert (floor is None) == bool(why)
+    patterns = ("exchange", "all_reduce") if SIZE >= 2 else ("all_reduce",)
+    config = bench.parse_args([*QUICK, "--patterns", ",".join(patterns), "--impls", "tensorplay,C"])
+    results = bench.measure_all(config)
+    if RANK != 0:
+        return
+    floors = [r for r in results if r.series == "C"]
+    if floor is None:
+        assert not floors and why
+        return
+    assert {(r.pattern, r.size) for r in floors} == {(r.pattern, r.size) for r in results if r.series == "tensorplay"}
+    assert all(math.isfinite(r.time_us) and r.time_us > 0 for r in floors)
+    assert all(r.ratio_vs_C is not None and r.ratio_vs_C > 0 for r in results if r.series == "tensorplay")

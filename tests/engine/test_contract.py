@@ -16,6 +16,7 @@ from world import NEXT, PREV, RANK, SIZE, WAIT
 import tensorplay_p2p as dist
 import tensorplay_p2p.config
 from tensorplay_p2p._src import engine, settings
+from tensorplay_p2p._src.collectives import api
 from tensorplay_p2p._src.p2p import validate, work
 from tensorplay_p2p._src.process import watchdog
 
@@ -47,6 +48,7 @@ OWNERS: dict[str, Callable[[str], bool]] = {
     "BatchWork": _on(dist.BatchWork),
     "sys.modules": lambda name: importlib.util.find_spec(name) is not None or name.startswith("torch."),
     "torch.autograd.profiler": _profiler,
+    "tensors": _on(np.zeros((1, 1))),
 }
 
 
@@ -64,8 +66,9 @@ def test_the_setup_calls_give_the_engine_exactly_what_it_takes() -> None:
     """The engine refuses a setup call with a keyword missing or unknown (so an import would fail, never fall back
     in silence); its two lists have no name twice."""
     contract = engine.accel.contract()
-    for keywords in (contract["setup_work"], contract["setup_ops"]):
+    for keywords in (contract["setup_work"], contract["setup_ops"], contract["setup_collectives"]):
         assert len(set(keywords)) == len(keywords)
+    assert set(api.reference) < set(contract["setup_collectives"])
     with pytest.raises(TypeError, match="setup_work: takes exactly 12 keyword references"):
         engine.accel.setup_work(work=dist.Work)
     references = {name: object() for name in contract["setup_ops"][:-1]}
@@ -149,5 +152,96 @@ def test_the_counts_are_public_and_empty_under_pure_python() -> None:
         assert counts == {}
     else:
         names = {"isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp", "Work.wait", "BatchWork.wait"}
-        assert set(counts) == names and all(made >= handed >= 0 for made, handed in counts.values())
+        assert set(counts) == names | set(api.reference) and all(
+            made >= handed >= 0 for made, handed in counts.values()
+        )
     assert SIZE >= 1 and "tensorplay_p2p" in sys.modules
+
+
+def _collectives(asynchronous: bool, strided: bool) -> list[str]:
+    """Every collective the engine takes, once, on float32 numpy arrays; the values each rank got that are wrong.
+
+    ``strided``: this rank's tensors are every other element of a larger array (which the engine hands to Python)."""
+
+    def make(n: int, value: float | np.ndarray = 0.0) -> np.ndarray:
+        a = np.zeros(2 * n if strided else n, np.float32)
+        view = a[::2] if strided else a
+        view[...] = value
+        return view
+
+    def run(work: Any) -> None:
+        if asynchronous:
+            assert work is not None
+            work.wait()
+        else:
+            assert work is None
+
+    wrong = []
+    total = SIZE * (SIZE - 1) / 2
+    a = make(3, RANK)
+    run(dist.all_reduce(a, async_op=asynchronous))
+    b = make(3, RANK)
+    run(dist.broadcast(b, src=SIZE - 1, async_op=asynchronous))
+    c = make(2, RANK)
+    run(dist.reduce(c, dst=0, op=dist.ReduceOp.MAX, async_op=asynchronous))
+    gathered, mine = make(2 * SIZE), make(2, RANK)
+    run(dist.all_gather_into_tensor(gathered, mine, async_op=asynchronous))
+    scattered, spread = make(2), make(2 * SIZE, np.arange(2.0 * SIZE))
+    run(dist.reduce_scatter_tensor(scattered, spread, async_op=asynchronous))
+    received, sent = make(2 * SIZE), make(2 * SIZE, np.arange(2.0 * SIZE) + 100 * RANK)
+    run(dist.all_to_all_single(received, sent, async_op=asynchronous))
+    run(dist.barrier(async_op=asynchronous))
+    expected = {
+        "all_reduce": (a, [total] * 3),
+        "broadcast": (b, [SIZE - 1.0] * 3),
+        "reduce": (c, [SIZE - 1.0 if RANK == 0 else float(RANK)] * 2),
+        "all_gather_into_tensor": (gathered, [float(r) for r in range(SIZE) for _ in range(2)]),
+        "reduce_scatter_tensor": (scattered, [SIZE * (2.0 * RANK + i) for i in range(2)]),
+        "all_to_all_single": (received, [100.0 * r + 2 * RANK + i for r in range(SIZE) for i in range(2)]),
+    }
+    for name, (got, want) in expected.items():
+        if got.tolist() != want:
+            wrong.append(f"{name}: {got.tolist()} != {want}")
+    return wrong
+
+
+@compiled_only
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "async_op"])
+def test_the_collectives_common_cases_are_counted_as_taken_by_the_compiled_path(asynchronous: bool) -> None:
+    before = engine.counts()
+    wrong = _collectives(asynchronous, strided=False)
+    counted = _delta(before)
+    assert not wrong
+    handed = 1 if settings.state.checked else 0  # checked mode: each call describes itself to the members first
+    assert counted == {name: (1, handed) for name in api.reference}
+
+
+@compiled_only
+def test_the_collectives_uncommon_cases_are_handed_to_python() -> None:
+    """Each case the engine does not take, handed to the Python reference before anything is counted or posted."""
+    half = np.ones(4, np.float16)
+    average = np.full(4, float(RANK), np.float32)
+    split = np.zeros(SIZE, np.float32)
+    before = engine.counts()
+    dist.all_reduce(half)  # widened to float32 by the reference
+    dist.all_reduce(average, op=dist.ReduceOp.AVG)  # divided at completion
+    dist.all_to_all_single(split, np.full(SIZE, RANK, np.float32), [1] * SIZE, [1] * SIZE)  # splits given
+    dist.barrier(timeout=WAIT)  # a timeout: the reference's polled wait
+    counted = _delta(before)
+    assert counted == {"all_reduce": (2, 2), "all_to_all_single": (1, 1), "barrier": (1, 1)}
+    assert half.tolist() == [SIZE] * 4 and average.tolist() == [(SIZE - 1) / 2] * 4
+    assert split.tolist() == [float(r) for r in range(SIZE)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "async_op"])
+def test_members_on_either_engine_path_match(asynchronous: bool) -> None:
+    """Rank 0's strided tensors go the Python path while the others take the compiled one: both post the same MPI
+    collective, so that the members match and every rank gets the same values as on one path."""
+    before = engine.counts()
+    wrong = _collectives(asynchronous, strided=RANK == 0)
+    counted = _delta(before)
+    assert not wrong
+    if engine.accel is not None and not settings.state.checked:
+        handed = {name: made for name, (made, handed) in counted.items() if handed}
+        assert handed == ({name: 1 for name in api.reference if name != "barrier"} if RANK == 0 else {})

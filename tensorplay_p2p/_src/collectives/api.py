@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import engine
 from ..memory.buffers import host_contiguous
 from ..p2p.validate import member_group
 from ..process.groups import ProcessGroup
@@ -49,7 +50,7 @@ from .blocks import (
 )
 from .checks import Call, collective_group, refused
 from .reductions import ReduceOp
-from .work import CollectiveWork, reap_stranded, stranded, submit
+from .work import CollectiveWork, posted, reap_stranded, stranded, submit
 
 __all__ = [
     "CollectiveWork",
@@ -532,3 +533,43 @@ def _until(requests: list[MPI.Request], deadline: float, receives: bool, keep: A
         if not all(done) and not receives:
             stranded.append(([r for r in requests if r], [keep]))
     return done
+
+
+# --- the compiled engine ---------------------------------------------------------------------
+
+
+def _recipe(tensor: Any, op: Any) -> tuple[MPI.Datatype, MPI.Op, int, bool] | None:
+    """For the compiled engine: how MPI reduces ``tensor``'s dtype with ``op`` in place, as it is: (datatype, op,
+    item size, whether the engine may keep the answer for this dtype object and op object); None where the reduction
+    needs more (widening, AVG's division) or is refused, which the Python path then words."""
+    found = host_contiguous(tensor)
+    try:
+        recipe = None if found is None else reductions.recipe(found[1], reductions.canonical(op, "recipe"), "recipe")
+    except (TypeError, ValueError):
+        return None
+    if recipe is None or recipe.widen or recipe.average:
+        return None
+    keep = type(op) is reductions.RedOpType or type(op).__name__ == "RedOpType"  # a member, which lives on
+    return recipe.datatype, recipe.op, recipe.compute.itemsize, keep
+
+
+# The Python reference functions, whatever the engine: the compiled calls that replace them show their docstrings.
+reference = {
+    "all_reduce": all_reduce,
+    "broadcast": broadcast,
+    "reduce": reduce,
+    "all_gather_into_tensor": all_gather_into_tensor,
+    "reduce_scatter_tensor": reduce_scatter_tensor,
+    "all_to_all_single": all_to_all_single,
+    "barrier": barrier,
+}
+
+if engine.accel is not None:  # the compiled engine: these calls made lean, the functions above where they are not
+    engine.accel.setup_collectives(**reference, posted=posted, recipe=_recipe, stranded=stranded, sum=ReduceOp.SUM)
+    all_reduce = engine.accel.all_reduce
+    broadcast = engine.accel.broadcast
+    reduce = engine.accel.reduce
+    all_gather_into_tensor = all_gather_single = engine.accel.all_gather_into_tensor
+    reduce_scatter_tensor = reduce_scatter_single = engine.accel.reduce_scatter_tensor
+    all_to_all_single = engine.accel.all_to_all_single
+    barrier = engine.accel.barrier

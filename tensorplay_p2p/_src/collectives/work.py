@@ -27,15 +27,16 @@ from mpi4py import MPI
 
 from .. import errors
 from ..errors import CommunicationError
+from ..memory.buffers import host_contiguous
 from ..p2p import profiling, work
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds
 from ..settings import state
-from . import checks
+from . import checks, reductions
 from .arguments import Blocks, Slot
 
-__all__ = ["CollectiveWork", "Post", "reap_stranded", "stranded", "submit"]
+__all__ = ["CollectiveWork", "Post", "posted", "reap_stranded", "stranded", "submit"]
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _Waitall = MPI.Request.Waitall
@@ -67,6 +68,7 @@ class CollectiveWork:
         "_detail",
         "_exception",
         "_group",
+        "_inputs",
         "_name",
         "_outputs",
         "_parts",
@@ -103,6 +105,7 @@ class CollectiveWork:
         self._root = root  # group rank, or None
         self._detail = detail
         self._outputs = outputs
+        self._inputs: list[Any] | None = None  # kept alive until completion where no prepared part holds them
         self._parts = list(parts)
         self._timeout = timeout
         self._requests: list[MPI.Request] = []
@@ -299,17 +302,15 @@ class CollectiveWork:
         Returns:
             The collective's name, root, op, dtype, bytes and group.
         """
-        op, dtype, nbytes = self._detail
-        root = "" if self._root is None else f" with root {self._group.peer_text(self._root)} (group rank {self._root})"
-        what = ", ".join([*filter(None, (op, dtype)), f"{nbytes} bytes"]) if dtype or nbytes else ""
-        waited = "" if now is None else f", pending for {now - self.posted:.1f} s"
-        return f"{self._name}{root}{f' ({what})' if what else ''} on {self._group.describe()}{waited}"
+        return errors.describe_collective(
+            self._name, self._group, self._root, self._detail, None if now is None else now - self.posted
+        )
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog, signals and timeouts: this collective, if still pending."""
         if self._state != _PENDING:
             return []
-        return [f"{self.describe(now)}; every member of the group must call {self._name}"]
+        return [errors.pending_collective(self._name, self._group, self._root, self._detail, now - self.posted)]
 
     def _still_pending(self, now: float) -> list[str]:
         return [] if self.test() else self.pending_lines(now)
@@ -318,13 +319,14 @@ class CollectiveWork:
         """MPI reported error ``code`` completing the requests."""
         error = errors.collective_failure(self.describe(), self._name, code, MPI.Get_error_string(code).strip())
         if any(self._requests):  # some still active: their buffers stay alive with them, never reused
-            stranded.append((self._requests, self._parts))
+            stranded.append((self._requests, [*self._parts, self._inputs, self._outputs]))
             self._parts = []
         self._settle(error)
 
     def _settle(self, error: CommunicationError | None) -> None:
         """Record the outcome: run the post-steps if it succeeded, give every pooled buffer back."""
         self._requests = []
+        self._inputs = None
         parts, self._parts = self._parts, []
         for part in parts:
             try:
@@ -376,6 +378,45 @@ def submit(
         return handle
     handle.wait()
     return None
+
+
+def posted(
+    name: str,
+    group: ProcessGroup,
+    root: int | None,
+    op: Any,
+    described: Any,
+    outputs: list[Any],
+    inputs: list[Any] | None,
+    request: MPI.Request,
+    code: int,
+) -> CollectiveWork:
+    """The handle of a collective the compiled engine posted: ``request``, on the common path (no prepared buffers,
+    no checked mode, no watchdog, no profiler), failed with MPI error ``code`` unless it is 0.  ``op`` is the call's
+    reduction or None, ``described`` the tensor whose dtype and bytes its description names (None for a barrier)."""
+    handle = CollectiveWork.__new__(CollectiveWork)
+    found = None if described is None else host_contiguous(described)
+    handle._name = name
+    handle._group = group
+    handle._root = root
+    handle._detail = (
+        None if op is None else reductions.canonical(op, name).name,
+        None if found is None else found[1],
+        0 if found is None else found[2],
+    )
+    handle._outputs = outputs
+    handle._inputs = inputs
+    handle._parts = []
+    handle._timeout = None
+    handle._requests = [request]
+    handle._statuses = None
+    handle._exception = None
+    handle._state = _PENDING
+    handle._profiled = None
+    handle.posted = time.monotonic()
+    if code:
+        handle._failed(code)
+    return handle
 
 
 def _code(exc: MPI.Exception, statuses: list[MPI.Status] | None) -> int:

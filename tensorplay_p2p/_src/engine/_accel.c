@@ -20,6 +20,7 @@
 #include <structmember.h>
 #include <pythread.h>
 #include <limits.h>
+#include <sched.h>
 #include <string.h>
 #include <time.h>
 #include <mpi.h>
@@ -59,9 +60,40 @@ enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
 /* --- counts: how many calls the engine took, and how many it handed to the Python reference ------------------ */
 
-enum { C_ISEND, C_IRECV, C_SEND, C_RECV, C_BATCH, C_OP, C_WORK_WAIT, C_BATCH_WAIT, C_CALLS };
+enum {
+    C_ISEND,
+    C_IRECV,
+    C_SEND,
+    C_RECV,
+    C_BATCH,
+    C_OP,
+    C_WORK_WAIT,
+    C_BATCH_WAIT,
+    C_ALL_REDUCE,
+    C_BROADCAST,
+    C_REDUCE,
+    C_ALL_GATHER_INTO_TENSOR,
+    C_REDUCE_SCATTER_TENSOR,
+    C_ALL_TO_ALL_SINGLE,
+    C_BARRIER,
+    C_CALLS
+};
 static const char *const call_names[C_CALLS] = {
-    "isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp", "Work.wait", "BatchWork.wait",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "P2POp",
+    "Work.wait",
+    "BatchWork.wait",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
 };
 static Py_ssize_t calls_made[C_CALLS], calls_handed[C_CALLS]; /* under the GIL: plain increments */
 
@@ -219,13 +251,14 @@ reap(void)
 
 #define WAIT_SLOTS 16
 typedef struct {
-    unsigned long ident;  /* thread, 0: free */
-    unsigned long serial; /* which wait: the signal handler compares it before and after its grace */
-    PyObject *handle;     /* borrowed: the Work or BatchWork waited on, or NULL for a blocking send/recv */
-    PyObject *group;      /* borrowed (blocking send/recv) */
-    int receive, peer, tag;
+    unsigned long ident;    /* thread, 0: free */
+    unsigned long serial;   /* which wait: the signal handler compares it before and after its grace */
+    PyObject *handle;       /* borrowed: the Work or BatchWork waited on, or NULL for a blocking call */
+    PyObject *group;        /* borrowed (blocking call) */
+    int receive, peer, tag; /* a collective: peer is its root's group rank, or -1 */
     Py_ssize_t nbytes;
     double posted;
+    PyObject *name; /* borrowed: a blocking collective's name (interned), or NULL for a send/recv */
 } WaitRecord;
 
 static WaitRecord waits[WAIT_SLOTS];
@@ -240,6 +273,7 @@ wait_begin(PyObject *handle)
             waits[i].ident = ident;
             waits[i].serial = ++wait_serial;
             waits[i].handle = handle;
+            waits[i].name = NULL;
             return &waits[i];
         }
     }
@@ -254,8 +288,9 @@ wait_end(WaitRecord *record)
 }
 
 PyDoc_STRVAR(waiting_doc, "waiting($module, /)\n--\n\n"
-                          "The compiled waits in progress: {thread ident: (serial, handle or (receive, group, "
-                          "peer, tag, nbytes, posted))}.");
+                          "The compiled waits in progress: {thread ident: (serial, handle, or (receive, group, "
+                          "peer, tag, nbytes, posted) for a send/recv, or (name, group, root, nbytes, posted) for a "
+                          "collective)}.");
 
 static PyObject *
 waiting(PyObject *module, PyObject *unused)
@@ -268,6 +303,7 @@ waiting(PyObject *module, PyObject *unused)
         if (w->ident == 0)
             continue;
         PyObject *what = w->handle != NULL ? Py_NewRef(w->handle)
+                         : w->name != NULL ? Py_BuildValue("(OOind)", w->name, w->group, w->peer, w->nbytes, w->posted)
                                            : Py_BuildValue("(OOiind)", w->receive ? Py_True : Py_False, w->group,
                                                            w->peer, w->tag, w->nbytes, w->posted);
         PyObject *item = what ? Py_BuildValue("(kN)", w->serial, what) : NULL;
@@ -1713,6 +1749,580 @@ PyDoc_STRVAR(recv_doc,
              "recv($module, /, tensor, src=None, group=None, tag=0, group_src=None)\n--\n\n"
              "Receive into ``tensor``, blocking; returns the sender's global rank (-1 if not a group member).");
 
+/* --- collectives ---------------------------------------------------------------------------------- */
+
+/* The collectives the engine takes: for contiguous host tensors, MPI-native dtypes and in-place reductions, one
+ * nonblocking MPI collective posted here, the very one the Python reference posts (so that members on either engine
+ * match), completed here when the call is blocking.  Anything else (a list argument, splits, a staged, packed or
+ * widened buffer, AVG, a timeout, a group to reconcile, ...) is handed to the reference before anything is counted
+ * or posted.  An ``async_op`` call gets the reference's CollectiveWork, made by ``posted`` around the request. */
+
+enum {
+    K_ALL_REDUCE,
+    K_BROADCAST,
+    K_REDUCE,
+    K_ALL_GATHER_INTO_TENSOR,
+    K_REDUCE_SCATTER_TENSOR,
+    K_ALL_TO_ALL_SINGLE,
+    K_BARRIER,
+    K_KINDS
+};
+#define K_PARAMS 6
+#define SPIN 20e-6 /* seconds a blocking collective is tested with the GIL kept before MPI_Wait without it */
+
+/* Each collective's parameters, in the reference's order: the C call parses exactly these. */
+static const char *const coll_params[K_KINDS][K_PARAMS] = {
+    [K_ALL_REDUCE] = {"tensor", "op", "group", "async_op"},
+    [K_BROADCAST] = {"tensor", "src", "group", "async_op", "group_src"},
+    [K_REDUCE] = {"tensor", "dst", "op", "group", "async_op", "group_dst"},
+    [K_ALL_GATHER_INTO_TENSOR] = {"output_tensor", "input_tensor", "group", "async_op"},
+    [K_REDUCE_SCATTER_TENSOR] = {"output", "input", "op", "group", "async_op"},
+    [K_ALL_TO_ALL_SINGLE] = {"output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"},
+    [K_BARRIER] = {"group", "async_op", "device_ids", "timeout"},
+};
+static const int coll_calls[K_KINDS] = {
+    C_ALL_REDUCE,        C_BROADCAST, C_REDUCE, C_ALL_GATHER_INTO_TENSOR, C_REDUCE_SCATTER_TENSOR,
+    C_ALL_TO_ALL_SINGLE, C_BARRIER};
+
+static PyObject *ref_coll[K_KINDS];  /* the Python reference of each */
+static PyObject *coll_what[K_KINDS]; /* each one's name, interned */
+static PyObject *coll_posted, *coll_recipe, *stranded, *sum_op, *one_obj;
+static PyObject *s_steps, *s_calls, *s_oversubscribed, *s_dtype, *s_shape;
+
+/* A call's arguments by parameter (NULL: not given), or 0 where they are not plain positional/keyword forms of
+ * the reference's parameters (which then parses them itself). */
+static int
+coll_args(int kind, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **out)
+{
+    const char *const *params = coll_params[kind];
+    int n = 0;
+    while (n < K_PARAMS && params[n] != NULL)
+        n++;
+    for (int i = 0; i < K_PARAMS; i++)
+        out[i] = NULL;
+    if (nargs > n)
+        return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        out[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int slot = -1;
+        for (int j = 0; j < n && slot < 0; j++)
+            if (PyUnicode_CompareWithASCIIString(name, params[j]) == 0)
+                slot = j;
+        if (slot < 0 || out[slot] != NULL) /* unknown, or given twice */
+            return 0;
+        out[slot] = args[nargs + k];
+    }
+    return 1;
+}
+
+static int
+is_none(PyObject *v)
+{
+    return v == NULL || v == Py_None;
+}
+
+/* Where a collective runs in the common case: 1 with the group, its communicator (owned), the caller's rank and the
+ * group's size; 0 for the Python path. */
+typedef struct {
+    PyObject *pg, *comm;
+    int rank, size;
+} Where;
+
+static int
+coll_where(PyObject *group, Where *w)
+{
+    if (!gate() || PyList_GET_SIZE(stranded) > 0)
+        return 0;
+    PyObject *pg = is_none(group) ? world : group;
+    if (pg != world && !PyObject_TypeCheck(pg, (PyTypeObject *)group_type))
+        return 0;
+    PyObject *steps = PyObject_GetAttr(pg, s_steps); /* a refused call to reconcile first, or out of step */
+    if (steps == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(steps);
+    if (steps != Py_None)
+        return 0;
+    w->size = world_size;
+    if (pg != world) {
+        PyObject *global_of = PyObject_GetAttr(pg, s_global_of);
+        if (global_of == NULL || !PyTuple_Check(global_of)) {
+            Py_XDECREF(global_of);
+            PyErr_Clear();
+            return 0;
+        }
+        w->size = (int)PyTuple_GET_SIZE(global_of);
+        Py_DECREF(global_of); /* the group holds it */
+    }
+    w->rank = own_rank(pg);
+    if (w->rank < 0) /* not a member: the reference warns */
+        return 0;
+    w->comm = group_comm(pg);
+    w->pg = pg;
+    return w->comm != NULL;
+}
+
+/* The root's group rank from exactly one of a global and a group rank (validate.resolve_peer's common case), or -1. */
+static int
+coll_root(Where *w, PyObject *global, PyObject *local)
+{
+    if (is_none(global) == is_none(local))
+        return -1;
+    if (!is_none(local))
+        return small_rank(local, w->size - 1);
+    if (w->pg == world)
+        return small_rank(global, world_size - 1);
+    if (!PyLong_CheckExact(global))
+        return -1;
+    PyObject *group_of = PyObject_GetAttr(w->pg, s_group_of);
+    PyObject *rank = group_of && PyDict_Check(group_of) ? PyDict_GetItemWithError(group_of, global) : NULL;
+    int result = rank != NULL ? small_rank(rank, w->size - 1) : -1;
+    Py_XDECREF(group_of);
+    PyErr_Clear();
+    return result;
+}
+
+/* One tensor of a collective, as plain bytes (``writes``: the collective writes it): 1, 0 for the Python path,
+ * -1 on an error to raise. */
+static int
+coll_buffer(PyObject *tensor, int writes, PyObject *what, Buffer *out)
+{
+    PyObject *taken = NULL;
+    if (tensor == NULL)
+        return 0;
+    int r = lean_buffer(tensor, writes, what, out, &taken);
+    if (r == 0 && taken != NULL)
+        return give_back(taken) < 0 ? -1 : 0;
+    if (r > 0 && out->datatype != NULL) { /* resolved to a derived datatype: the reference prepares it */
+        Py_CLEAR(out->keep);
+        return 0;
+    }
+    return r;
+}
+
+/* How MPI reduces ``tensor``'s dtype with ``op`` in place, as it is: 1 with the datatype, op and item size; 0 where the
+ * reduction needs more (widening, AVG's division) or is refused (the reference words why); -1 on an error.  The
+ * reference's ``recipe`` decides; the answers it marks as kept are remembered here by the identity of the dtype and op
+ * objects (a dtype's hash can cost more than the collective's whole call), a few pairs, the oldest replaced. */
+#define RECIPES 16
+typedef struct {
+    PyObject *dtype, *op; /* owned, NULL: a free entry */
+    MPI_Datatype datatype;
+    MPI_Op mpi_op;
+    Py_ssize_t itemsize;
+} Recipe;
+static Recipe recipes[RECIPES];
+static int next_recipe = 0;
+
+static int
+coll_reduction(PyObject *tensor, PyObject *op, MPI_Datatype *datatype, MPI_Op *mpi_op, Py_ssize_t *itemsize)
+{
+    PyObject *dtype = PyObject_GetAttr(tensor, s_dtype);
+    if (dtype == NULL)
+        return clear_error();
+    for (int i = 0; i < RECIPES; i++)
+        if (recipes[i].dtype == dtype && recipes[i].op == op) {
+            Py_DECREF(dtype);
+            *datatype = recipes[i].datatype, *mpi_op = recipes[i].mpi_op, *itemsize = recipes[i].itemsize;
+            return 1;
+        }
+    PyObject *found = PyObject_CallFunctionObjArgs(coll_recipe, tensor, op, NULL); /* (datatype, op, size, keep) */
+    if (found == NULL) {
+        Py_DECREF(dtype);
+        return -1;
+    }
+    int ok = PyTuple_CheckExact(found) && PyTuple_GET_SIZE(found) == 4 &&
+             PyObject_TypeCheck(PyTuple_GET_ITEM(found, 0), &PyMPIDatatype_Type) &&
+             PyObject_TypeCheck(PyTuple_GET_ITEM(found, 1), &PyMPIOp_Type) && PyLong_Check(PyTuple_GET_ITEM(found, 2));
+    if (ok) {
+        *datatype = *PyMPIDatatype_Get(PyTuple_GET_ITEM(found, 0));
+        *mpi_op = *PyMPIOp_Get(PyTuple_GET_ITEM(found, 1));
+        *itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(found, 2));
+        ok = *itemsize > 0; /* predefined datatypes and ops: their handles stay valid */
+    }
+    if (ok && PyTuple_GET_ITEM(found, 3) == Py_True) {
+        Recipe *entry = &recipes[next_recipe];
+        next_recipe = (next_recipe + 1) % RECIPES;
+        Py_XSETREF(entry->dtype, Py_NewRef(dtype));
+        Py_XSETREF(entry->op, Py_NewRef(op));
+        entry->datatype = *datatype, entry->mpi_op = *mpi_op, entry->itemsize = *itemsize;
+    }
+    Py_DECREF(dtype);
+    Py_DECREF(found);
+    PyErr_Clear();
+    return ok;
+}
+
+/* A tensor's dim 0 and the elements of one row along it (all_to_all_single's split): 1, or 0 for the Python path. */
+static int
+rows_of(PyObject *tensor, Py_ssize_t *rows, Py_ssize_t *row)
+{
+    PyObject *shape = PyObject_GetAttr(tensor, s_shape);
+    if (shape == NULL)
+        return clear_error() < 0 ? -1 : 0;
+    int ok = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0;
+    Py_ssize_t elements = 1;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(shape); i++) {
+        PyObject *extent = PyTuple_GET_ITEM(shape, i);
+        Py_ssize_t n = PyLong_Check(extent) ? PyLong_AsSsize_t(extent) : -1;
+        if (n < 0) {
+            PyErr_Clear();
+            ok = 0;
+        } else if (i == 0)
+            *rows = n;
+        else
+            elements *= n;
+    }
+    Py_DECREF(shape);
+    *row = elements;
+    return ok;
+}
+
+static int
+overlaps(Buffer *a, Buffer *b)
+{
+    char *x = a->address, *y = b->address;
+    return a->nbytes > 0 && b->nbytes > 0 && x < y + b->nbytes && y < x + a->nbytes;
+}
+
+/* The handle of a posted collective, made by the reference's ``posted`` (and failed with ``code`` unless 0). */
+static PyObject *
+coll_handle(int kind, Where *w, int root, PyObject *op, PyObject *described, PyObject *outputs, PyObject *inputs,
+            MPI_Request *request, int code)
+{
+    PyObject *req = PyMPIRequest_New(*request);
+    PyObject *at = root >= 0 ? PyLong_FromLong(root) : Py_NewRef(Py_None);
+    PyObject *handle = req && at ? PyObject_CallFunction(coll_posted, "OOOOOOOOi", coll_what[kind], w->pg, at,
+                                                         op ? op : Py_None, described ? described : Py_None, outputs,
+                                                         inputs ? inputs : Py_None, req, code)
+                                 : NULL;
+    if (handle != NULL)
+        *request = MPI_REQUEST_NULL; /* the handle's now */
+    Py_XDECREF(req);
+    Py_XDECREF(at);
+    return handle;
+}
+
+/* Complete a posted collective: MPI_Test first, so that one already complete keeps the GIL, then MPI_Wait (or, on an
+ * oversubscribed node, MPI_Test with a yield between) without it.  None, or the handle's error raised. */
+static PyObject *
+coll_complete(int kind, Where *w, int root, PyObject *op, PyObject *described, PyObject *outputs, PyObject *inputs,
+              MPI_Request *request, Py_ssize_t nbytes)
+{
+    int done = 0;
+    MPI_Status status;
+    int yielding = 0, code = MPI_Test(request, &done, &status);
+    if (code == MPI_SUCCESS && !done) {
+        PyObject *v = PyObject_GetAttr(state, s_oversubscribed);
+        yielding = v == NULL || v == Py_True;
+        Py_XDECREF(v);
+        PyErr_Clear();
+        /* a collective of the members in step completes within microseconds: tested a while with the GIL kept, since
+         * giving it up and back costs about as much (not where the ranks share cores: the others must run) */
+        for (double until = yielding ? 0.0 : monotonic() + SPIN;
+             code == MPI_SUCCESS && !done && !yielding && monotonic() < until;)
+            code = MPI_Test(request, &done, &status);
+    }
+    if (code == MPI_SUCCESS && !done) {
+        WaitRecord *record = wait_begin(NULL);
+        if (record != NULL)
+            *record = (WaitRecord){record->ident, record->serial, NULL,           w->pg, 0, root, -1,
+                                   nbytes,        monotonic(),    coll_what[kind]};
+        Py_BEGIN_ALLOW_THREADS
+        if (yielding)
+            while ((code = MPI_Test(request, &done, &status)) == MPI_SUCCESS && !done)
+                sched_yield();
+        else
+            code = MPI_Wait(request, &status);
+        Py_END_ALLOW_THREADS
+        wait_end(record);
+    }
+    if (code == MPI_SUCCESS)
+        Py_RETURN_NONE;
+    PyObject *handle = coll_handle(kind, w, root, op, described, outputs, inputs, request, code);
+    if (handle == NULL)
+        return NULL;
+    PyObject *r = PyObject_CallMethodNoArgs(handle, s_wait); /* raises the failure, worded by the reference */
+    Py_DECREF(handle);
+    Py_XDECREF(r);
+    return r == NULL ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *
+lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *a[K_PARAMS], *what = coll_what[kind];
+    int which = coll_calls[kind];
+    Where w = {NULL, NULL, 0, 0};
+    Buffer one = {0}, two = {0};
+    MPI_Datatype datatype = MPI_BYTE;
+    MPI_Op mpi_op = MPI_OP_NULL;
+    Py_ssize_t itemsize = 1;
+    int root = -1, r = 0, code = MPI_SUCCESS;
+    Py_ssize_t shown = 0; /* the bytes a description names */
+    MPI_Request request = MPI_REQUEST_NULL;
+    PyObject *op = NULL, *async_op = NULL, *group = NULL, *outputs = NULL, *inputs = NULL, *described = NULL;
+    calls_made[which]++;
+    if (ref_coll[kind] == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
+        return NULL;
+    }
+    if (!coll_args(kind, args, nargs, kwnames, a))
+        goto hand;
+    switch (kind) { /* the parameters' places (coll_params) */
+    case K_ALL_REDUCE:
+        op = a[1], group = a[2], async_op = a[3];
+        break;
+    case K_BROADCAST:
+        group = a[2], async_op = a[3];
+        break;
+    case K_REDUCE:
+        op = a[2], group = a[3], async_op = a[4];
+        break;
+    case K_ALL_GATHER_INTO_TENSOR:
+        group = a[2], async_op = a[3];
+        break;
+    case K_REDUCE_SCATTER_TENSOR:
+        op = a[2], group = a[3], async_op = a[4];
+        break;
+    case K_ALL_TO_ALL_SINGLE:
+        group = a[4], async_op = a[5];
+        break;
+    default:
+        group = a[0], async_op = a[1];
+    }
+    if (!(async_op == NULL || async_op == Py_False || async_op == Py_True) || !coll_where(group, &w))
+        goto hand;
+    if (op == NULL)
+        op = sum_op;
+    MPI_Comm comm = *PyMPIComm_Get(w.comm);
+    switch (kind) {
+    case K_ALL_REDUCE:
+        if ((r = coll_buffer(a[0], 1, what, &one)) <= 0 ||
+            (r = coll_reduction(a[0], op, &datatype, &mpi_op, &itemsize)) <= 0)
+            goto out;
+        if (one.nbytes % itemsize != 0 || one.nbytes / itemsize > INT_MAX)
+            goto out;
+        code =
+            MPI_Iallreduce(MPI_IN_PLACE, one.address, (int)(one.nbytes / itemsize), datatype, mpi_op, comm, &request);
+        break;
+    case K_REDUCE:
+    case K_BROADCAST:
+        if ((root = kind == K_REDUCE ? coll_root(&w, a[1], a[5]) : coll_root(&w, a[1], a[4])) < 0)
+            goto out;
+        if (kind == K_BROADCAST) {
+            if ((r = coll_buffer(a[0], root != w.rank, what, &one)) <= 0)
+                goto out;
+            code = MPI_Ibcast(one.address, (int)one.nbytes, MPI_BYTE, root, comm, &request);
+            op = NULL;
+            break;
+        }
+        if ((r = coll_buffer(a[0], root == w.rank, what, &one)) <= 0 ||
+            (r = coll_reduction(a[0], op, &datatype, &mpi_op, &itemsize)) <= 0)
+            goto out;
+        if (one.nbytes % itemsize != 0 || one.nbytes / itemsize > INT_MAX)
+            goto out;
+        code = root == w.rank ? MPI_Ireduce(MPI_IN_PLACE, one.address, (int)(one.nbytes / itemsize), datatype, mpi_op,
+                                            root, comm, &request)
+                              : MPI_Ireduce(one.address, NULL, (int)(one.nbytes / itemsize), datatype, mpi_op, root,
+                                            comm, &request);
+        break;
+    case K_ALL_GATHER_INTO_TENSOR:
+    case K_REDUCE_SCATTER_TENSOR:
+    case K_ALL_TO_ALL_SINGLE: {
+        /* one: the output, two: the input; of one type and one dtype, apart */
+        if (a[0] == NULL || a[1] == NULL || Py_TYPE(a[0]) != Py_TYPE(a[1]))
+            goto out;
+        if ((r = coll_buffer(a[0], 1, what, &one)) <= 0 || (r = coll_buffer(a[1], 0, what, &two)) <= 0)
+            goto out;
+        if (overlaps(&one, &two))
+            goto out;
+        PyObject *d1 = PyObject_GetAttr(a[0], s_dtype), *d2 = d1 ? PyObject_GetAttr(a[1], s_dtype) : NULL;
+        int same = d2 == NULL                   ? -1
+                   : d1 == d2                   ? 1
+                   : Py_TYPE(d1) == Py_TYPE(d2) ? PyObject_RichCompareBool(d1, d2, Py_EQ)
+                                                : 0;
+        Py_XDECREF(d1);
+        Py_XDECREF(d2);
+        if (same <= 0) {
+            r = same < 0 ? clear_error() : 0;
+            goto out;
+        }
+        op = kind == K_REDUCE_SCATTER_TENSOR ? op : NULL;
+        if (kind == K_ALL_GATHER_INTO_TENSOR) {
+            if (one.nbytes != two.nbytes * w.size)
+                goto out;
+            code = MPI_Iallgather(two.address, (int)two.nbytes, MPI_BYTE, one.address, (int)two.nbytes, MPI_BYTE, comm,
+                                  &request);
+            described = a[1], shown = two.nbytes;
+        } else if (kind == K_REDUCE_SCATTER_TENSOR) {
+            if (two.nbytes != one.nbytes * w.size ||
+                (r = coll_reduction(a[0], op, &datatype, &mpi_op, &itemsize)) <= 0 || one.nbytes % itemsize != 0)
+                goto out;
+            code = MPI_Ireduce_scatter_block(two.address, one.address, (int)(one.nbytes / itemsize), datatype, mpi_op,
+                                             comm, &request);
+            described = a[0], shown = one.nbytes;
+        } else {
+            Py_ssize_t rows_out, rows_in, row_out, row_in;
+            PyObject *s1 = a[2], *s2 = a[3];
+            if (!(is_none(s1) || ((PyList_CheckExact(s1) || PyTuple_CheckExact(s1)) && Py_SIZE(s1) == 0)) ||
+                !(is_none(s2) || ((PyList_CheckExact(s2) || PyTuple_CheckExact(s2)) && Py_SIZE(s2) == 0)))
+                goto out;
+            if ((r = rows_of(a[0], &rows_out, &row_out)) <= 0 || (r = rows_of(a[1], &rows_in, &row_in)) <= 0)
+                goto out;
+            if (row_out != row_in || rows_out % w.size != 0 || rows_in % w.size != 0 || w.size > 1024 ||
+                one.nbytes / w.size > INT_MAX || two.nbytes / w.size > INT_MAX)
+                goto out;
+            int counts[2][1024], displs[2][1024];
+            int sends = (int)(two.nbytes / w.size), receives = (int)(one.nbytes / w.size);
+            for (int i = 0; i < w.size; i++) {
+                counts[0][i] = sends, displs[0][i] = i * sends;
+                counts[1][i] = receives, displs[1][i] = i * receives;
+            }
+            code = MPI_Ialltoallv(two.address, counts[0], displs[0], MPI_BYTE, one.address, counts[1], displs[1],
+                                  MPI_BYTE, comm, &request);
+            described = a[1], shown = two.nbytes;
+        }
+        break;
+    }
+    default: /* K_BARRIER */
+        if (!is_none(a[3]))
+            goto out;
+        op = NULL;
+        code = MPI_Ibarrier(comm, &request);
+    }
+    if (code != MPI_SUCCESS) /* not posted: the reference posts it again, and words MPI's error */
+        goto out;
+    /* posted: counted on the group, as ``checks.collective_group`` counts it */
+    PyObject *calls = PyObject_GetAttr(w.pg, s_calls);
+    PyObject *next = calls ? PyNumber_Add(calls, one_obj) : NULL;
+    int counted = next != NULL && PyObject_SetAttr(w.pg, s_calls, next) == 0;
+    Py_XDECREF(calls);
+    Py_XDECREF(next);
+    PyObject *result = NULL;
+    int paired = kind >= K_ALL_GATHER_INTO_TENSOR && kind <= K_ALL_TO_ALL_SINGLE; /* an output and an input */
+    outputs = counted ? PyList_New(kind != K_BARRIER) : NULL;
+    inputs = outputs && paired ? PyList_New(1) : NULL;
+    if (outputs != NULL && (inputs != NULL || !paired)) {
+        if (kind != K_BARRIER)
+            PyList_SET_ITEM(outputs, 0, Py_NewRef(a[0]));
+        if (inputs != NULL)
+            PyList_SET_ITEM(inputs, 0, Py_NewRef(a[1]));
+        if (described == NULL && kind != K_BARRIER)
+            described = a[0], shown = one.nbytes;
+        result = async_op == Py_True ? coll_handle(kind, &w, root, op, described, outputs, inputs, &request, 0)
+                                     : coll_complete(kind, &w, root, op, described, outputs, inputs, &request, shown);
+    }
+    if (result == NULL && request != MPI_REQUEST_NULL) /* posted, and no handle took it: MPI's until it completes */
+        MPI_Wait(&request, MPI_STATUS_IGNORE);
+    Py_XDECREF(outputs);
+    Py_XDECREF(inputs);
+    Py_XDECREF(one.keep);
+    Py_XDECREF(two.keep);
+    Py_DECREF(w.comm);
+    return result;
+out:
+    Py_XDECREF(one.keep);
+    Py_XDECREF(two.keep);
+    Py_DECREF(w.comm);
+    if (r < 0)
+        return NULL;
+hand:
+    return HANDED(which, PyObject_Vectorcall(ref_coll[kind], args, nargsf, kwnames));
+}
+
+/* The module's collectives: one object each, called as a function (vectorcall, as fast as a builtin function),
+ * that is its Python reference's stand-in: ``__wrapped__`` is the reference, so that inspect.signature and help()
+ * show the reference's signature (whose ``op=ReduceOp.SUM`` a builtin's text signature cannot hold) and docstring. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int kind;
+} CollectiveObject;
+
+static PyObject *
+collective_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return lean_collective(((CollectiveObject *)self)->kind, args, (Py_ssize_t)nargsf, kwnames);
+}
+
+/* The reference's attribute ``name``, or ``fallback`` before setup_collectives has given the reference. */
+static PyObject *
+reference_attribute(PyObject *self, const char *name, PyObject *fallback)
+{
+    PyObject *reference = ref_coll[((CollectiveObject *)self)->kind];
+    return reference != NULL ? PyObject_GetAttrString(reference, name) : Py_NewRef(fallback);
+}
+
+static PyObject *
+collective_name(PyObject *self, void *qualified)
+{
+    return reference_attribute(self, qualified ? "__qualname__" : "__name__",
+                               coll_what[((CollectiveObject *)self)->kind]);
+}
+
+static PyObject *
+collective_doc(PyObject *self, void *unused)
+{
+    return reference_attribute(self, "__doc__", Py_None);
+}
+
+static PyObject *
+collective_module(PyObject *self, void *unused)
+{
+    return reference_attribute(self, "__module__", Py_None);
+}
+
+static PyObject *
+collective_wrapped(PyObject *self, void *unused)
+{
+    PyObject *reference = ref_coll[((CollectiveObject *)self)->kind];
+    if (reference == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "__wrapped__: the compiled engine is not set up");
+        return NULL;
+    }
+    return Py_NewRef(reference);
+}
+
+static PyObject *
+collective_repr(PyObject *self)
+{
+    return PyUnicode_FromFormat("<compiled collective %U>", coll_what[((CollectiveObject *)self)->kind]);
+}
+
+static PyGetSetDef collective_getset[] = {
+    {"__name__", collective_name, NULL, NULL, NULL},       {"__qualname__", collective_name, NULL, NULL, (void *)1},
+    {"__doc__", collective_doc, NULL, NULL, NULL},         {"__module__", collective_module, NULL, NULL, NULL},
+    {"__wrapped__", collective_wrapped, NULL, NULL, NULL}, {NULL},
+};
+
+static PyTypeObject Collective_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.Collective",
+    .tp_doc = PyDoc_STR("A collective of the compiled engine: its Python reference's stand-in (``__wrapped__``)."),
+    .tp_basicsize = sizeof(CollectiveObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(CollectiveObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_repr = collective_repr,
+    .tp_getset = collective_getset,
+};
+
+static PyObject *
+new_collective(int kind)
+{
+    CollectiveObject *self = PyObject_New(CollectiveObject, &Collective_Type);
+    if (self != NULL) {
+        self->vectorcall = collective_call;
+        self->kind = kind;
+    }
+    return (PyObject *)self;
+}
+
 /* --- setup ----------------------------------------------------------------------------------------- */
 
 /* What setup_work and setup_ops take, by keyword: one table each, so that ``contract()`` lists exactly what they
@@ -1758,6 +2368,20 @@ static Reference ops_references[] = {
     {"tag_ub", &tag_ub_obj},
     {"world_size", &world_size_obj},
     {"world_rank", &world_rank_obj},
+};
+
+static Reference collectives_references[] = {
+    {"all_reduce", &ref_coll[K_ALL_REDUCE]},
+    {"broadcast", &ref_coll[K_BROADCAST]},
+    {"reduce", &ref_coll[K_REDUCE]},
+    {"all_gather_into_tensor", &ref_coll[K_ALL_GATHER_INTO_TENSOR]},
+    {"reduce_scatter_tensor", &ref_coll[K_REDUCE_SCATTER_TENSOR]},
+    {"all_to_all_single", &ref_coll[K_ALL_TO_ALL_SINGLE]},
+    {"barrier", &ref_coll[K_BARRIER]},
+    {"posted", &coll_posted},
+    {"recipe", &coll_recipe},
+    {"stranded", &stranded},
+    {"sum", &sum_op},
 };
 
 #define COUNT(table) ((Py_ssize_t)(sizeof table / sizeof table[0]))
@@ -1827,8 +2451,25 @@ setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(setup_collectives_doc, "setup_collectives($module, /, **references)\n--\n\n"
+                                    "Give the engine the Python collectives it stands in for, the maker of their "
+                                    "handles, and the reductions' recipes.");
+
+static PyObject *
+setup_collectives(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    if (take("setup_collectives", kwargs, collectives_references, COUNT(collectives_references)) < 0)
+        return NULL;
+    if (!PyList_CheckExact(stranded) || !PyCallable_Check(coll_posted) || !PyCallable_Check(coll_recipe)) {
+        PyErr_SetString(PyExc_TypeError, "setup_collectives: unexpected reference types");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(contract_doc, "contract($module, /)\n--\n\n"
-                           "What the engine takes from Python: ``setup_work`` and ``setup_ops``'s keywords, and every "
+                           "What the engine takes from Python: ``setup_work``, ``setup_ops`` and "
+                           "``setup_collectives``'s keywords, and every "
                            "name it reads, as ``(owner, name)`` (owner None: a word for messages).");
 
 PyDoc_STRVAR(counts_doc, "counts($module, /)\n--\n\n"
@@ -1848,6 +2489,8 @@ static PyMethodDef module_methods[] = {
     {"waiting", (PyCFunction)waiting, METH_NOARGS, waiting_doc},
     {"setup_work", (PyCFunction)(void (*)(void))setup_work, METH_VARARGS | METH_KEYWORDS, setup_work_doc},
     {"setup_ops", (PyCFunction)(void (*)(void))setup_ops, METH_VARARGS | METH_KEYWORDS, setup_ops_doc},
+    {"setup_collectives", (PyCFunction)(void (*)(void))setup_collectives, METH_VARARGS | METH_KEYWORDS,
+     setup_collectives_doc},
     {"contract", contract, METH_NOARGS, contract_doc},
     {"counts", counts, METH_NOARGS, counts_doc},
     {NULL},
@@ -1945,6 +2588,18 @@ static Name names[] = {
     {&s_irecv_what, "irecv", NULL},
     {&s_send_what, "send", NULL},
     {&s_recv_what, "recv", NULL},
+    {&s_steps, "steps", "ProcessGroup"},
+    {&s_calls, "calls", "ProcessGroup"},
+    {&s_oversubscribed, "oversubscribed", "settings.state"},
+    {&s_dtype, "dtype", "tensors"},
+    {&s_shape, "shape", "tensors"},
+    {&coll_what[K_ALL_REDUCE], "all_reduce", NULL},
+    {&coll_what[K_BROADCAST], "broadcast", NULL},
+    {&coll_what[K_REDUCE], "reduce", NULL},
+    {&coll_what[K_ALL_GATHER_INTO_TENSOR], "all_gather_into_tensor", NULL},
+    {&coll_what[K_REDUCE_SCATTER_TENSOR], "reduce_scatter_tensor", NULL},
+    {&coll_what[K_ALL_TO_ALL_SINGLE], "all_to_all_single", NULL},
+    {&coll_what[K_BARRIER], "barrier", NULL},
 };
 
 static PyObject *
@@ -1975,9 +2630,12 @@ contract(PyObject *module, PyObject *unused)
     }
     PyObject *work = references_tuple(work_references, COUNT(work_references));
     PyObject *ops = references_tuple(ops_references, COUNT(ops_references));
-    PyObject *result = attributes && work && ops
-                           ? Py_BuildValue("{sOsOsO}", "setup_work", work, "setup_ops", ops, "names", attributes)
+    PyObject *collectives = references_tuple(collectives_references, COUNT(collectives_references));
+    PyObject *result = attributes && work && ops && collectives
+                           ? Py_BuildValue("{sOsOsOsO}", "setup_work", work, "setup_ops", ops, "setup_collectives",
+                                           collectives, "names", attributes)
                            : NULL;
+    Py_XDECREF(collectives);
     Py_XDECREF(attributes);
     Py_XDECREF(work);
     Py_XDECREF(ops);
@@ -2000,7 +2658,8 @@ counts(PyObject *module, PyObject *unused)
 static struct PyModuleDef accel_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_accel",
-    .m_doc = "The compiled engine of tensorplay_p2p: the hot path of point-to-point calls over mpi4py's C API.",
+    .m_doc = "The compiled engine of tensorplay_p2p: the hot path of point-to-point calls and collectives over "
+             "mpi4py's C API.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -2021,11 +2680,15 @@ PyInit__accel(void)
     BatchBase_Type.tp_base = &PyList_Type;
     BatchBase_Type.tp_new = PyList_Type.tp_new;
     work_getset_init();
-    if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0)
+    if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0 ||
+        PyType_Ready(&Collective_Type) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < COUNT(names); i++)
         if (intern(names[i].slot, names[i].text) < 0)
             return NULL;
+    one_obj = PyLong_FromLong(1);
+    if (one_obj == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&accel_module);
     if (m == NULL)
         return NULL;
@@ -2037,6 +2700,15 @@ PyInit__accel(void)
         PyModule_AddObjectRef(m, "OpBase", (PyObject *)&OpBase_Type) < 0) {
         Py_DECREF(m);
         return NULL;
+    }
+    for (int k = 0; k < K_KINDS; k++) {
+        PyObject *collective = new_collective(k);
+        int added = collective != NULL ? PyModule_AddObjectRef(m, call_names[coll_calls[k]], collective) : -1;
+        Py_XDECREF(collective);
+        if (added < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

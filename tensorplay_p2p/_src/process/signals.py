@@ -91,6 +91,11 @@ _PACKAGE = __name__.partition(".")[0] + "."  # the package's own frames, in ever
 
 
 def _describe_blocking(waited: tuple[Any, ...]) -> Callable[[float], list[str]]:
+    if isinstance(waited[0], str):  # a blocking collective: (name, group, root or -1, nbytes, posted)
+        name, group, root, nbytes, posted = waited
+        detail = (None, None, nbytes)
+        at = None if root < 0 else root
+        return lambda now: [errors.pending_collective(name, group, at, detail, now - posted)]
     receive, group, peer, tag, nbytes, posted = waited
     return lambda now: [errors.describe_op(receive, group, peer, tag, nbytes, now - posted)]
 
