@@ -39,6 +39,10 @@ by default).  Iteration counts follow OSU (``--scale 0.25`` runs a quarter of th
 - bandwidths in MB/s (1e6 bytes): what each side sends per second for P2P, nccl-tests' bus bandwidth for collectives;
 - then whether the product's targets are met.
 
+``--layers`` (torch only) measures instead where a torch call's time goes: torch on ``tp2p``, torch on a do-nothing
+backend (torch's own layer) and the package's own call, interleaved; what ``tp2p`` adds is the first minus the other
+two (``_layers``).
+
 ``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
 names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...).  For
 TensorPlay those are the figures of its ``mpi`` backend on this package; ``meta.config.framework`` says which, and
@@ -65,6 +69,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import _layers
 from ._config import comma_list, parse_size
 from ._report import format_figure
 from ._timing import (
@@ -165,6 +170,7 @@ class Config:
     json: Path | None = None
     markdown: bool = False
     framework: str = "torch"  # a key of FRAMEWORKS
+    layers: bool = False  # instead of the benchmarks: torch's layer and the backend's share (``_layers``)
 
 
 def sizes_between(low: int, high: int, step: int) -> tuple[int, ...]:
@@ -208,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, default=1, metavar="N", help="the framework's intra-op threads per rank (default 1)")
     add("--json", type=Path, default=None, metavar="PATH", help="write every figure and the targets here (rank 0)")
     add("--markdown", action="store_true", help="print the tables as Markdown (for BENCHMARKS.md)")
+    add(
+        "--layers",
+        action="store_true",
+        help="instead of the benchmarks (torch only): torch on tp2p against torch on a do-nothing backend and the "
+        "package's own call, at 8 B and 1 MiB within the sizes: what the backend adds",
+    )
     return parser
 
 
@@ -242,6 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         json=args.json,
         markdown=args.markdown,
         framework=args.framework,
+        layers=args.layers,
     )
 
 
@@ -817,6 +830,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         say(f"bench.frameworks needs {framework.name} ({exc}); install it, e.g. {framework.install}")
         return 2
+    if config.layers:
+        return _measure_layers(config)
     meta = describe_run(config, argv)
     results = measure_all(config)
     if COMM.Get_rank() == 0:
@@ -829,6 +844,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             config.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
             say(f"wrote {config.json}")
+    return 0
+
+
+def _measure_layers(config: Config) -> int:
+    """``--layers``: the table of ``_layers`` (rank 0); 2 where the framework is not torch."""
+    if config.framework != "torch":
+        say("bench.frameworks --layers measures torch's layer only")
+        return 2
+    dist, groups, started = start(config)
+    try:
+        sizes = tuple(s for s in (8, 1 << 20) if config.sizes[0] <= s <= config.sizes[-1]) or config.sizes[:1]
+        results = _layers.measure_layers(sizes, config.reps, config.scale)
+    finally:
+        dist.destroy_process_group(groups["gloo"])
+        if started:
+            dist.destroy_process_group()
+    if COMM.Get_rank() == 0:
+        print(_layers.format_layers(results, config.markdown), flush=True)
     return 0
 
 

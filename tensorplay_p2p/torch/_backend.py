@@ -20,7 +20,7 @@ from mpi4py import MPI
 from torch.distributed.constants import default_pg_timeout
 
 from .._src.collectives import api
-from .._src.collectives.reductions import ReduceOp
+from .._src.collectives.reductions import RedOpType, ReduceOp
 from .._src.p2p import ops, profiling
 from .._src.process import groups, runtime
 from .._src.process.groups import GroupMember, ProcessGroup
@@ -357,5 +357,20 @@ class ProcessGroupTP2P(dist.ProcessGroup):
 
 
 def _reduce_op(opts: Any) -> Any:
-    """The ReduceOp of torch's options (SUM without options)."""
-    return opts.reduceOp if opts is not None else ReduceOp.SUM
+    """The ReduceOp of torch's options (SUM without options), as the package's member where it names one plainly
+    (so that the compiled engine knows it at once; torch makes a new ``ReduceOp`` object at each read)."""
+    if opts is None:
+        return ReduceOp.SUM
+    op = opts.reduceOp
+    try:
+        return _PLAIN[op.op]
+    except (AttributeError, KeyError, TypeError):  # PREMUL_SUM, or not torch's: the package judges it
+        return op
+
+
+# torch's RedOpType members → the package's, for the ops that carry nothing else (PREMUL_SUM carries a factor)
+_PLAIN = {
+    getattr(dist.ReduceOp.RedOpType, member.name): member
+    for member in RedOpType
+    if member is not RedOpType.PREMUL_SUM and hasattr(dist.ReduceOp.RedOpType, member.name)
+}

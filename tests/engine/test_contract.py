@@ -17,6 +17,7 @@ import tensorplay_p2p as dist
 import tensorplay_p2p.config
 from tensorplay_p2p._src import engine, settings
 from tensorplay_p2p._src.collectives import api
+from tensorplay_p2p._src.memory import layouts
 from tensorplay_p2p._src.p2p import validate, work
 from tensorplay_p2p._src.process import watchdog
 
@@ -49,6 +50,7 @@ OWNERS: dict[str, Callable[[str], bool]] = {
     "sys.modules": lambda name: importlib.util.find_spec(name) is not None or name.startswith("torch."),
     "torch.autograd.profiler": _profiler,
     "tensors": _on(np.zeros((1, 1))),
+    "memory.layouts": _in_dict(vars(layouts)),
 }
 
 
@@ -133,17 +135,41 @@ def test_blocking_calls_are_counted_and_a_wait_with_a_timeout_is_handed_over() -
 
 
 @compiled_only
-def test_a_packed_strided_message_is_counted_as_handed_to_python() -> None:
-    """Strided host messages in the packing range are resolved in C but posted by a Python Work (their copy back)."""
-    out = np.arange(4096.0) + RANK  # every other element: 2048 float64, 16 KiB, packed
-    into = np.zeros(4096)
+@pytest.mark.parametrize("stride", [2, 3], ids=["packed", "in_place"])
+def test_a_strided_numpy_message_is_taken_by_the_compiled_path(stride: int) -> None:
+    """A strided host array in the packing range (every other float64: 16 KiB) is packed in C, its receive copied out
+    at completion; one below it (every third of 3069: 8 KiB - 8 B) travels in place with a derived datatype."""
+    n = 4096 if stride == 2 else 3069  # 2048 float64 (16 KiB) or 1023 (8 KiB - 8 B)
+    out = np.arange(float(n)) + RANK
+    into = np.zeros(n)
     before = engine.counts()
-    receive, send = dist.irecv(into[::2], PREV, tag=85), dist.isend(out[::2], NEXT, tag=85)
+    receive, send = dist.irecv(into[::stride], PREV, tag=85), dist.isend(out[::stride], NEXT, tag=85)
     assert send is not None and receive is not None
     send.wait(timeout=WAIT)
     receive.wait(timeout=WAIT)
-    assert _delta(before) == {"isend": (1, 1), "irecv": (1, 1), "Work.wait": (2, 2)}  # in checked mode too
-    assert into[::2].tolist() == (np.arange(4096.0) + PREV)[::2].tolist() and not into[1::2].any()
+    handed = 1 if settings.state.checked else 0
+    assert _delta(before) == {"isend": (1, handed), "irecv": (1, handed), "Work.wait": (2, 2)}  # with timeouts
+    assert into[::stride].tolist() == (np.arange(float(n)) + PREV)[::stride].tolist()
+    untouched = np.ones(n, bool)
+    untouched[::stride] = False
+    assert not into[untouched].any()
+
+
+@compiled_only
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(settings.state.checked, reason="checked mode hands every call to Python")
+def test_blocking_strided_calls_pack_and_copy_out_in_c() -> None:
+    out, into = np.arange(4096.0).reshape(64, 64) + RANK, np.zeros((64, 64))
+    before = engine.counts()
+    if RANK == 0:
+        dist.send(out[:, 1::2], 1, tag=88)  # 64 rows of 32: 16 KiB, packed
+    elif RANK == 1:
+        dist.recv(into[:, 1::2], 0, tag=88)
+    counted = _delta(before)
+    assert counted == {0: {"send": (1, 0)}, 1: {"recv": (1, 0)}}.get(RANK, {})
+    if RANK == 1:
+        assert into[:, 1::2].tolist() == (np.arange(4096.0).reshape(64, 64))[:, 1::2].tolist()
+        assert not into[:, ::2].any()
 
 
 def test_the_counts_are_public_and_empty_under_pure_python() -> None:
@@ -245,3 +271,37 @@ def test_members_on_either_engine_path_match(asynchronous: bool) -> None:
     if engine.accel is not None and not settings.state.checked:
         handed = {name: made for name, (made, handed) in counted.items() if handed}
         assert handed == ({name: 1 for name in api.reference if name != "barrier"} if RANK == 0 else {})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_batch_with_packed_ops_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch the compiled engine does not post itself (two packed strided ops among contiguous ones) goes to the
+    Python path with the buffers resolved in C: each op's resolver runs once (the contiguous numpy arrays need none
+    in C); the Python path resolves every op once."""
+    from tensorplay_p2p._src.memory import buffers
+
+    calls = []
+    original = buffers.resolvers.get(np.ndarray) or buffers._lean_numpy
+
+    def counted(tensor: Any, writable: bool, what: str) -> Any:
+        calls.append(writable)
+        return original(tensor, writable, what)
+
+    monkeypatch.setitem(buffers.resolvers, np.ndarray, counted)
+    out, into = np.arange(4096.0) + RANK, np.zeros(4096)  # every other element: 16 KiB, packed
+    small_out, small_into = np.full(3, float(RANK)), np.zeros(3)
+    before = engine.counts()
+    ops = [
+        dist.P2POp(dist.irecv, small_into, PREV, tag=86),
+        dist.P2POp(dist.irecv, into[::2], PREV, tag=87),
+        dist.P2POp(dist.isend, out[::2], NEXT, tag=87),
+        dist.P2POp(dist.isend, small_out, NEXT, tag=86),
+    ]
+    dist.batch_isend_irecv(ops).wait(timeout=WAIT)
+    counted_batch = _delta(before).get("batch_isend_irecv")
+    assert into[::2].tolist() == (np.arange(4096.0) + PREV)[::2].tolist() and not into[1::2].any()
+    assert small_into.tolist() == [float(PREV)] * 3
+    compiled = engine.accel is not None and not settings.state.checked
+    assert sorted(calls) == ([False, True] if compiled else [False, False, True, True])
+    if engine.accel is not None:
+        assert counted_batch == (1, 1)

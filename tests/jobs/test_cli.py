@@ -57,8 +57,9 @@ def test_bench_and_run_subcommands() -> None:
     )
     assert bench.returncode == 0, bench.stderr
     assert "exchange" in bench.stdout
-    # one write per rank: print's arguments are written one by one, and the ranks' writes may interleave
-    script = run([*CLI, "run", "-c", "import tensorplay_p2p as d; print(f'rank {d.get_rank()}')"], ranks=2)
+    # one write per rank, line and newline together (print writes its end apart): the ranks' writes may interleave
+    line = "import sys, tensorplay_p2p as d; sys.stdout.write(f'rank {d.get_rank()}\\n')"
+    script = run([*CLI, "run", "-c", line], ranks=2)
     assert script.returncode == 0 and sorted(script.stdout.splitlines()) == ["rank 0", "rank 1"], script.stdout
 
 

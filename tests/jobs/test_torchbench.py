@@ -115,3 +115,31 @@ def test_the_0_1_command_still_runs_and_says_where_it_moved() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "--framework" in done.stdout
     assert "DeprecationWarning: tensorplay_p2p.torchbench is now tensorplay_p2p.bench.frameworks" in done.stderr
+
+
+def test_layers_shows_torch_s_layer_and_the_backend_s_share() -> None:
+    """``--layers``: torch on tp2p, torch on the do-nothing backend and the package's call, for each call at 8 B (the
+    only size within --max-size 64); every figure positive, the share tp2p adds their difference."""
+    pytest.importorskip("torch")
+    done = torchbench("--layers", *TINY)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "## torch's layer and the backend's share (median time per call, us)", done.stdout
+    assert lines[1].split() == [
+        "call",
+        "size",
+        "tp2p",
+        "torch",
+        "on",
+        "null",
+        "package",
+        "tp2p",
+        "adds",
+        "tp2p",
+        "/",
+        "package",
+    ]
+    rows = {tuple(line.split()[:3]): [float(v) for v in line.split()[3:]] for line in lines[2:]}
+    assert set(rows) == {("exchange", "8", "B"), ("all_reduce", "8", "B")}, done.stdout
+    for tp2p, null, package, added, ratio in rows.values():
+        assert tp2p > 0 and null > 0 and package > 0 and ratio > 0
+        assert math.isclose(added, tp2p - null - package, rel_tol=0.01, abs_tol=0.1), done.stdout  # as rounded

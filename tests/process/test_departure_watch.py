@@ -52,6 +52,9 @@ def test_a_send_receive_or_batch_needs_its_peers() -> None:
     assert needs((True, world, PREV, 0, 8, 0.0), RANK) == previous  # a blocking call, as signals gives it
     assert needs((True, world, MPI.ANY_SOURCE, 0, 8, 0.0), RANK) == _or_none(EVERY, OTHERS)
     assert needs((False, world, MPI.PROC_NULL, 0, 8, 0.0), RANK) is None
+    # a blocking collective in the compiled engine: (name, group, root or -1, nbytes, posted)
+    assert needs(("all_reduce", world, -1, 8, 0.0), RANK) == _or_none(SOME, OTHERS)
+    assert needs(("broadcast", world, 0, 8, 0.0), RANK) == _or_none(EVERY, OTHERS)
     sends = [dist.isend(np.full(2, float(t)), dst=NEXT, tag=t) for t in (31, 32, 33, 34)]
     for work in (receive, anyone, batch, materialized, *sends):
         work.wait(timeout=WAIT)

@@ -65,6 +65,7 @@ class CollectiveWork:
 
     __slots__ = (
         "__weakref__",
+        "_described",
         "_detail",
         "_exception",
         "_group",
@@ -103,7 +104,8 @@ class CollectiveWork:
         self._name = name
         self._group = group
         self._root = root  # group rank, or None
-        self._detail = detail
+        self._detail: tuple[str | None, str | None, int] | None = detail
+        self._described: tuple[Any, Any] | None = None
         self._outputs = outputs
         self._inputs: list[Any] | None = None  # kept alive until completion where no prepared part holds them
         self._parts = list(parts)
@@ -303,14 +305,27 @@ class CollectiveWork:
             The collective's name, root, op, dtype, bytes and group.
         """
         return errors.describe_collective(
-            self._name, self._group, self._root, self._detail, None if now is None else now - self.posted
+            self._name, self._group, self._root, self._details(), None if now is None else now - self.posted
         )
 
     def pending_lines(self, now: float) -> list[str]:
         """For the watchdog, signals and timeouts: this collective, if still pending."""
         if self._state != _PENDING:
             return []
-        return [errors.pending_collective(self._name, self._group, self._root, self._detail, now - self.posted)]
+        return [errors.pending_collective(self._name, self._group, self._root, self._details(), now - self.posted)]
+
+    def _details(self) -> tuple[str | None, str | None, int]:
+        """(op, dtype, bytes) for descriptions: a handle the compiled engine posted works them out on first use."""
+        detail = self._detail
+        if detail is None:
+            op, described = self._described or (None, None)
+            found = None if described is None else host_contiguous(described)
+            detail = self._detail = (
+                None if op is None else reductions.canonical(op, self._name).name,
+                None if found is None else found[1],
+                0 if found is None else found[2],
+            )
+        return detail
 
     def _still_pending(self, now: float) -> list[str]:
         return [] if self.test() else self.pending_lines(now)
@@ -395,15 +410,11 @@ def posted(
     no checked mode, no watchdog, no profiler), failed with MPI error ``code`` unless it is 0.  ``op`` is the call's
     reduction or None, ``described`` the tensor whose dtype and bytes its description names (None for a barrier)."""
     handle = CollectiveWork.__new__(CollectiveWork)
-    found = None if described is None else host_contiguous(described)
     handle._name = name
     handle._group = group
     handle._root = root
-    handle._detail = (
-        None if op is None else reductions.canonical(op, name).name,
-        None if found is None else found[1],
-        0 if found is None else found[2],
-    )
+    handle._detail = None  # worked out from these if a description needs it
+    handle._described = (op, described)
     handle._outputs = outputs
     handle._inputs = inputs
     handle._parts = []

@@ -40,7 +40,8 @@
 
 static PyObject *Work_type, *Batch_type, *Op_type;            /* the Python classes */
 static PyObject *ref_work_wait, *ref_batch_wait, *ref_new_op; /* the Python methods replaced */
-static PyObject *ref_isend, *ref_irecv, *ref_send, *ref_recv, *ref_batch;
+static PyObject *ref_isend, *ref_irecv, *ref_send, *ref_recv, *ref_batch, *ref_post_resolved, *mpi_byte, *layouts_dict;
+static PyObject *pool_take, *pool_give, *host_kind; /* the packing pool's take and give, and the host buffers' kind */
 static PyObject *dropped, *reap_dropped, *retired, *release_retired;
 static PyObject *world, *group_type, *resolvers, *resolve, *release;
 static PyObject *overlap_error, *failure, *size_error;
@@ -51,7 +52,7 @@ static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
 
 static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
-static PyObject *s_profiler_module, *s_profiler_flag;
+static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_min, *s_pack_max;
 static PyObject *s_fail, *s_complete, *s_finish;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what,
     *s_recv_what;
@@ -327,7 +328,8 @@ typedef struct {
     int count;
     PyObject *datatype; /* borrowed from ``keep``: a derived datatype, read when posting; NULL for MPI_BYTE */
     Py_ssize_t nbytes;
-    PyObject *keep; /* owned: what keeps the memory alive (the array, or the resolved tuple) */
+    PyObject *keep;  /* owned: what keeps the memory alive (the array, or the resolved tuple) */
+    PyObject *after; /* owned: a packed message's hook at completion (a Packed), or NULL */
 } Buffer;
 
 static MPI_Datatype
@@ -336,27 +338,313 @@ datatype_of(Buffer *buffer)
     return buffer->datatype == NULL ? MPI_BYTE : *PyMPIDatatype_Get(buffer->datatype);
 }
 
+/* --- strided numpy arrays as derived datatypes ------------------------------------------------------- */
+
+/* A strided numpy array below the packing range travels in place, described by a derived datatype, as the Python
+ * path sends it (``layouts.simplify``, ``layouts.build``: the same bytes in C order, so the same type signature).
+ * The datatypes are built here once per simplified layout and kept: at most STRIDED_KEPT of them, never freed while
+ * the process runs (a full cache hands new layouts to the Python path, whose own cache evicts).  Only non-negative
+ * strides whose elements do not overlap, and up to STRIDED_DIMS dimensions; anything else goes to the resolver. */
+#define STRIDED_DIMS 8
+#define STRIDED_KEPT 256
+typedef struct {
+    Py_ssize_t block;
+    int ndim;
+    Py_ssize_t extent[STRIDED_DIMS], stride[STRIDED_DIMS];
+} Strided;
+typedef struct {
+    Strided layout;
+    PyObject *datatype; /* owned: mpi4py's object of the committed datatype */
+} KeptLayout;
+static KeptLayout kept_layouts[STRIDED_KEPT];
+static int kept_count = 0;
+
+/* ``view`` (shape and byte strides) simplified as layouts.simplify does: dims of extent 1 dropped, dims that walk
+ * on from each other merged, the innermost contiguous run taken as the block.  1, or 0 where the C path does not
+ * describe it. */
+static int
+simplify_view(Py_buffer *view, Strided *out)
+{
+    if (view->ndim < 1 || view->ndim > STRIDED_DIMS || view->strides == NULL || view->len == 0)
+        return 0;
+    int n = 0;
+    for (int d = 0; d < view->ndim; d++) {
+        Py_ssize_t extent = view->shape[d], stride = view->strides[d];
+        if (extent == 1)
+            continue;
+        if (stride <= 0)
+            return 0;
+        if (n > 0 && out->stride[n - 1] == extent * stride) {
+            out->extent[n - 1] *= extent;
+            out->stride[n - 1] = stride;
+        } else {
+            out->extent[n] = extent;
+            out->stride[n] = stride;
+            n++;
+        }
+    }
+    out->block = view->itemsize;
+    if (n > 0 && out->stride[n - 1] == view->itemsize)
+        out->block = view->itemsize * out->extent[--n];
+    out->ndim = n;
+    /* elements apart (layouts.may_overlap): each dim, innermost first, steps past what the ones inside cover */
+    Py_ssize_t covered = out->block;
+    for (int d = n - 1; d >= 0; d--) {
+        if (out->stride[d] < covered)
+            return 0;
+        covered = out->stride[d] * (out->extent[d] - 1) + covered;
+    }
+    return n > 0;
+}
+
+/* The committed datatype of ``layout`` (borrowed from the cache), or NULL (no error) where it is full or MPI fails. */
+static PyObject *
+strided_datatype(Strided *layout)
+{
+    for (int i = 0; i < kept_count; i++) {
+        Strided *k = &kept_layouts[i].layout;
+        if (k->block == layout->block && k->ndim == layout->ndim &&
+            memcmp(k->extent, layout->extent, sizeof(Py_ssize_t) * (size_t)layout->ndim) == 0 &&
+            memcmp(k->stride, layout->stride, sizeof(Py_ssize_t) * (size_t)layout->ndim) == 0)
+            return kept_layouts[i].datatype;
+    }
+    if (kept_count == STRIDED_KEPT || layout->block > INT_MAX)
+        return NULL;
+    MPI_Datatype built, outer;
+    if (MPI_Type_contiguous((int)layout->block, MPI_BYTE, &built) != MPI_SUCCESS)
+        return NULL;
+    for (int d = layout->ndim - 1; d >= 0; d--) { /* as layouts.build: hvectors from the innermost dim out */
+        int code = layout->extent[d] <= INT_MAX
+                       ? MPI_Type_create_hvector((int)layout->extent[d], 1, layout->stride[d], built, &outer)
+                       : MPI_ERR_COUNT;
+        MPI_Type_free(&built);
+        if (code != MPI_SUCCESS)
+            return NULL;
+        built = outer;
+    }
+    if (MPI_Type_commit(&built) != MPI_SUCCESS) {
+        MPI_Type_free(&built);
+        return NULL;
+    }
+    PyObject *datatype = PyMPIDatatype_New(built);
+    if (datatype == NULL) {
+        PyErr_Clear();
+        MPI_Type_free(&built);
+        return NULL;
+    }
+    kept_layouts[kept_count] = (KeptLayout){*layout, datatype};
+    return kept_layouts[kept_count++].datatype;
+}
+
+/* One run of the innermost dim: ``n`` blocks ``stride`` bytes apart, to or from consecutive blocks at ``packed``.
+ * A block of 1, 2, 4 or 8 bytes is one load and one store (memcpy of a constant size). */
+#define COPY_RUN(size)                                               \
+    for (Py_ssize_t i = 0; i < n; i++, at += stride, packed += size) \
+        if (pack)                                                    \
+            memcpy(packed, at, size);                                \
+        else                                                         \
+            memcpy(at, packed, size);                                \
+    return packed;
+static char *
+copy_run(char *at, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t block, char *packed, int pack)
+{
+    switch (block) {
+    case 8:
+        COPY_RUN(8)
+    case 4:
+        COPY_RUN(4)
+    case 2:
+        COPY_RUN(2)
+    case 1:
+        COPY_RUN(1)
+    default:
+        COPY_RUN((size_t)block)
+    }
+}
+#undef COPY_RUN
+
+/* Copy between the elements of ``layout`` from ``base`` and one contiguous run at ``packed``, in C order: into the
+ * run (``pack``) or out of it. */
+static void
+strided_copy(char *base, const Strided *layout, char *packed, int pack)
+{
+    int inner = layout->ndim - 1; /* at least one dim: a layout with none is contiguous */
+    Py_ssize_t index[STRIDED_DIMS] = {0}, runs = 1;
+    for (int d = 0; d < inner; d++)
+        runs *= layout->extent[d];
+    char *at = base;
+    for (Py_ssize_t r = 0; r < runs; r++) {
+        packed = copy_run(at, layout->stride[inner], layout->extent[inner], layout->block, packed, pack);
+        for (int d = inner - 1; d >= 0; d--) { /* the next run: the innermost outer dim steps first */
+            at += layout->stride[d];
+            if (++index[d] < layout->extent[d])
+                break;
+            at -= layout->stride[d] * layout->extent[d];
+            index[d] = 0;
+        }
+    }
+}
+
+/* Packed: a packed message's after-hook, ``after(receipt, error)`` as the Python path calls one (``work._run_after``):
+ * a receive's message is copied into the array's elements unless it failed, then the buffer goes back to the
+ * packing pool (as ``buffers.place``'s packed path does); returns ``error``.  A hook dropped unrun (an op never
+ * posted) gives its buffer back too. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *host;  /* the pooled buffer (a numpy array), until given back */
+    PyObject *array; /* a receive's strided array, or NULL */
+    char *base;      /* its lowest byte */
+    char *packed;    /* the buffer's first byte */
+    Strided layout;
+} PackedObject;
+
+/* Copy a receive out (``ok``) and give the buffer back: 0, or -1 with an error (the pool's). */
+static int
+packed_finish(PackedObject *self, int ok)
+{
+    if (ok && self->array != NULL && self->host != NULL)
+        strided_copy(self->base, &self->layout, self->packed, 0);
+    Py_CLEAR(self->array);
+    PyObject *host = self->host;
+    self->host = NULL;
+    if (host == NULL)
+        return 0;
+    PyObject *r = PyObject_CallOneArg(pool_give, host);
+    Py_DECREF(host);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static PyObject *
+packed_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *receipt, *error;
+    if (!PyArg_UnpackTuple(args, "after", 2, 2, &receipt, &error))
+        return NULL;
+    if (packed_finish((PackedObject *)self, error == Py_None) < 0)
+        return NULL;
+    return Py_NewRef(error);
+}
+
+static void
+packed_dealloc(PackedObject *self)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (packed_finish(self, 0) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, tb);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject Packed_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.Packed",
+    .tp_doc = PyDoc_STR("A packed message's after-hook: a receive copied out, the pooled buffer given back."),
+    .tp_basicsize = sizeof(PackedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_call = packed_call,
+    .tp_dealloc = (destructor)packed_dealloc,
+};
+
+/* A strided numpy array, as the Python path sends it (``buffers.place``): in place with its datatype below
+ * PACK_MIN and above PACK_MAX, and between them packed through a buffer of the packing pool (a send packed now, a
+ * receive copied out at completion: ``out->after``).  1 and ``out`` filled, 0 for the resolver (a layout this does
+ * not describe), -1 on an error. */
+static int
+strided_buffer(PyObject *tensor, int receive, Buffer *out)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(tensor, &view, PyBUF_RECORDS_RO | (receive ? PyBUF_WRITABLE : 0)) < 0)
+        return clear_error();
+    Strided layout;
+    int ok = view.len <= INT_MAX && (view.format == NULL || strchr(view.format, 'O') == NULL) &&
+             simplify_view(&view, &layout);
+    PyObject *low = ok ? PyDict_GetItemWithError(layouts_dict, s_pack_min) : NULL;
+    PyObject *high = ok ? PyDict_GetItemWithError(layouts_dict, s_pack_max) : NULL;
+    Py_ssize_t pack_min = low && PyLong_Check(low) ? PyLong_AsSsize_t(low) : -1;
+    Py_ssize_t pack_max = high && PyLong_Check(high) ? PyLong_AsSsize_t(high) : -1;
+    PyErr_Clear();
+    ok = ok && pack_min >= 0 && pack_max >= 0;
+    int packs = ok && pack_min <= view.len && view.len <= pack_max; /* layouts.packs */
+    char *base = view.buf;                                          /* the lowest byte: the strides are positive */
+    Py_ssize_t nbytes = view.len;
+    PyBuffer_Release(&view); /* the array itself keeps the memory */
+    out->nbytes = nbytes;
+    out->datatype = NULL;
+    if (!ok)
+        return 0;
+    if (!packs) { /* in place */
+        PyObject *datatype = strided_datatype(&layout);
+        if (datatype == NULL)
+            return 0;
+        out->address = base;
+        out->count = 1;
+        out->datatype = datatype;
+        out->keep = Py_NewRef(tensor);
+        return 1;
+    }
+    PyObject *host = PyObject_CallFunction(pool_take, "On", host_kind, nbytes);
+    if (host == NULL || PyObject_GetBuffer(host, &view, PyBUF_WRITABLE) < 0) {
+        Py_XDECREF(host);
+        return -1;
+    }
+    char *packed = view.buf;
+    PyBuffer_Release(&view); /* the pool's array keeps the memory */
+    PackedObject *hook = PyObject_New(PackedObject, &Packed_Type);
+    if (hook == NULL) {
+        PyObject *r = PyObject_CallOneArg(pool_give, host);
+        Py_XDECREF(r);
+        Py_DECREF(host);
+        return -1;
+    }
+    hook->host = host;
+    hook->array = receive ? Py_NewRef(tensor) : NULL;
+    hook->base = base;
+    hook->packed = packed;
+    hook->layout = layout;
+    if (!receive) /* packed now: the array may change once the call returns */
+        strided_copy(base, &layout, packed, 1);
+    out->address = packed;
+    out->count = (int)nbytes;
+    out->keep = Py_NewRef(host);
+    out->after = (PyObject *)hook;
+    return 1;
+}
+
 /* Resolve ``tensor`` for the lean path: 1 and ``out`` filled, or 0 when the op needs the Python path
  * (``*taken`` then holds a resolved buffer to give back with ``release``, or NULL), or -1 on error. */
+enum { STRIDED_HAND, STRIDED_RESOLVE, STRIDED_IN_C }; /* what lean_buffer does with a strided numpy array */
+
 static int
-lean_buffer(PyObject *tensor, int receive, PyObject *what, Buffer *out, PyObject **taken)
+lean_buffer(PyObject *tensor, int receive, PyObject *what, Buffer *out, PyObject **taken, int strided)
 {
     Py_buffer view;
     *taken = NULL;
-    if (Py_TYPE(tensor) == (PyTypeObject *)ndarray) { /* buffers._lean_numpy's case, in C */
+    out->after = NULL;
+    if (Py_TYPE(tensor) == (PyTypeObject *)ndarray) { /* buffers._lean_numpy's contiguous case, in C */
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (receive ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(tensor, &view, flags) < 0)
-            return clear_error();
-        int plain = view.len <= INT_MAX && (view.format == NULL || strchr(view.format, 'O') == NULL);
-        out->address = view.buf;
-        out->count = (int)view.len;
-        out->nbytes = view.len;
-        PyBuffer_Release(&view); /* the array itself keeps the memory */
-        if (!plain)
+        if (PyObject_GetBuffer(tensor, &view, flags) == 0) {
+            int plain = view.len <= INT_MAX && (view.format == NULL || strchr(view.format, 'O') == NULL);
+            out->address = view.buf;
+            out->count = (int)view.len;
+            out->nbytes = view.len;
+            PyBuffer_Release(&view); /* the array itself keeps the memory */
+            if (!plain)
+                return 0;
+            out->datatype = NULL;
+            out->keep = Py_NewRef(tensor);
+            return 1;
+        }
+        if (clear_error() < 0)
+            return -1;
+        if (strided == STRIDED_HAND)
             return 0;
-        out->datatype = NULL;
-        out->keep = Py_NewRef(tensor);
-        return 1;
+        if (strided == STRIDED_IN_C) {
+            int r = strided_buffer(tensor, receive, out);
+            if (r != 0)
+                return r;
+        }
+        /* packed, or read-only where it is written: resolved below, once, as the Python path resolves it */
     }
     if (tensor == Py_None)
         return 0;
@@ -641,8 +929,9 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     if (work_filled(self) < 0)
         return NULL;
     int lean = ref_work_wait != NULL && nargs <= 1 && kwnames == NULL && timeout == Py_None &&
-               state_is(self->state, PENDING) && self->after == Py_None && self->request != NULL &&
-               self->group != NULL && self->nbytes != NULL && PyLong_CheckExact(self->nbytes) &&
+               state_is(self->state, PENDING) && self->request != NULL &&
+               (self->after == Py_None || Py_TYPE(self->after) == &Packed_Type) && self->group != NULL &&
+               self->nbytes != NULL && PyLong_CheckExact(self->nbytes) &&
                PyObject_TypeCheck(self->request, &PyMPIRequest_Type) &&
                PyDict_GetItemWithError(watchdog_dict, s_active) == Py_False;
     if (!lean)
@@ -685,6 +974,14 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     Py_XSETREF(self->request, Py_NewRef(request_null));
     Py_XSETREF(self->state, Py_NewRef(done_obj));
     Py_XSETREF(self->keep, Py_NewRef(Py_None));
+    if (self->after != Py_None) { /* packed: a receive's message copied out, the buffer back to the pool */
+        PyObject *hook = self->after;
+        self->after = Py_NewRef(Py_None);
+        int r = packed_finish((PackedObject *)hook, 1);
+        Py_DECREF(hook);
+        if (r < 0)
+            return NULL;
+    }
     Py_RETURN_TRUE;
 }
 
@@ -716,7 +1013,8 @@ new_work(PyObject *group, int receive, int peer, int tag, Buffer *buffer)
     WorkObject *w = (WorkObject *)tp->tp_alloc(tp, 0);
     if (w == NULL)
         return NULL;
-    w->after = Py_NewRef(Py_None);
+    w->after = buffer->after != NULL ? buffer->after : Py_NewRef(Py_None); /* a packed message's hook */
+    buffer->after = NULL;
     w->exception = Py_NewRef(Py_None);
     w->group = Py_NewRef(group);
     w->keep = buffer->keep;
@@ -1334,13 +1632,67 @@ first_overlap(Span *spans, Py_ssize_t n, Py_ssize_t *first, Py_ssize_t *second)
 typedef struct {
     Buffer buffer;
     int receive, peer, tag;
+    PyObject *taken; /* owned: the resolved buffer of an op the Python path posts (staged, packed, strided), or NULL */
 } Posting;
 
-static void
+/* Let go of the first ``n`` ops' buffers (the resolved ones given back): 0, or -1 with an error. */
+static int
 discard(Posting *ops, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++)
+    int r = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
         Py_CLEAR(ops[i].buffer.keep);
+        PyObject *taken = ops[i].taken;
+        ops[i].taken = NULL;
+        if (taken != NULL && give_back(taken) < 0)
+            r = -1;
+    }
+    return r;
+}
+
+/* A batch with an op the engine does not post itself (staged, packed, a derived datatype): every op as resolved
+ * here, handed to the Python path's ``post_resolved``, which checks them across and posts one BatchWork, so that
+ * nothing is resolved twice.  The ops' buffers are the callee's (released on its error) or given back here. */
+static PyObject *
+post_resolved_batch(PyObject *list, PyObject *pg, Posting *ops, Py_ssize_t n)
+{
+    PyObject *infos = PyList_New(n), *resolved = PyList_New(0);
+    Py_ssize_t i = 0;
+    for (; infos != NULL && resolved != NULL && i < n; i++) {
+        Posting *op = &ops[i];
+        PyObject *entry = op->taken;
+        op->taken = NULL;
+        if (entry == NULL && PyTuple_CheckExact(op->buffer.keep)) /* resolved by a resolver, as it is */
+            entry = Py_NewRef(op->buffer.keep);
+        else if (entry == NULL) /* a contiguous numpy array, resolved in C: its bytes */
+            entry = Py_BuildValue("([OnO]nOO)", op->buffer.keep, op->buffer.nbytes, mpi_byte, op->buffer.nbytes,
+                                  op->buffer.keep, Py_None);
+        Py_CLEAR(op->buffer.keep);
+        int added = entry != NULL && PyList_Append(resolved, entry) == 0;
+        PyObject *info = added ? Py_BuildValue("(OiiO)", op->receive ? Py_True : Py_False, op->peer, op->tag,
+                                               PyTuple_GET_ITEM(entry, 1))
+                               : NULL;
+        if (!added && entry != NULL) /* not in the list: given back on its own */
+            give_back(Py_NewRef(entry));
+        Py_XDECREF(entry);
+        if (info == NULL)
+            break;
+        PyList_SET_ITEM(infos, i, info);
+    }
+    PyObject *result = NULL;
+    if (i == n)
+        result = PyObject_CallFunctionObjArgs(ref_post_resolved, list, pg, infos, resolved, NULL);
+    else { /* nothing posted: what was resolved goes back */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        discard(ops + i, n - i);
+        if (resolved != NULL)
+            Py_XDECREF(PyObject_CallOneArg(release, resolved));
+        PyErr_Restore(type, value, tb);
+    }
+    Py_XDECREF(infos);
+    Py_XDECREF(resolved);
+    return result;
 }
 
 PyDoc_STRVAR(batch_doc, "batch_isend_irecv($module, p2p_op_list)\n--\n\n"
@@ -1368,9 +1720,9 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
         return HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
     Posting small[SMALL], *ops = n <= SMALL ? small : PyMem_Calloc(n, sizeof(Posting));
     Span small_spans[SMALL], *spans = n <= SMALL ? small_spans : PyMem_Calloc(n, sizeof(Span));
-    PyObject *result = NULL, *taken = NULL, *held = Py_NewRef(first);
+    PyObject *result = NULL, *held = Py_NewRef(first);
     Py_ssize_t ready = 0;
-    int receives = 0, fallback = 0;
+    int receives = 0, fallback = 0, resolved_here = 0;
     if (ops == NULL || spans == NULL) {
         PyErr_NoMemory();
         goto out;
@@ -1391,24 +1743,29 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
             break;
         }
         Py_INCREF(p2p);
-        int r = lean_buffer(PyTuple_GET_ITEM(p2p, 1), op->receive, s_batch_what, &op->buffer, &taken);
-        Py_DECREF(p2p); /* the buffer's keep holds the tensor */
-        if (r <= 0) {
+        op->taken = NULL;
+        op->buffer = (Buffer){0};
+        int r =
+            lean_buffer(PyTuple_GET_ITEM(p2p, 1), op->receive, s_batch_what, &op->buffer, &op->taken, STRIDED_RESOLVE);
+        Py_DECREF(p2p);                               /* the buffer's keep holds the tensor */
+        if (r < 0 || (r == 0 && op->taken == NULL)) { /* an error, or one the Python path words */
             fallback = r == 0;
             break;
         }
-        if (op->buffer.datatype != NULL) { /* strided: the Python overlap checks */
-            ready++;
-            fallback = 1;
-            break;
+        if (r == 0 || op->buffer.datatype != NULL) { /* staged, packed or strided: resolved, for the Python path */
+            resolved_here = 1;
+            continue;
         }
         receives |= op->receive;
         spans[ready] = (Span){(char *)op->buffer.address, op->buffer.nbytes, ready, op->receive};
     }
     if (ready < n || PyList_GET_SIZE(list) != n) {
-        discard(ops, ready);
-        if (give_back(taken) == 0 && fallback)
+        if (discard(ops, ready) == 0 && fallback)
             result = HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
+        goto out;
+    }
+    if (resolved_here) {
+        result = HANDED(C_BATCH, post_resolved_batch(list, pg, ops, n));
         goto out;
     }
     if (n > 1 && receives) {
@@ -1608,7 +1965,7 @@ lean_post(PyObject *reference, PyObject *what, int receive, PyObject *const *arg
         comm = group_comm(pg);
     if (comm == NULL)
         return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
-    int r = lean_buffer(a[0], receive, what, &buffer, &taken);
+    int r = lean_buffer(a[0], receive, what, &buffer, &taken, STRIDED_IN_C);
     if (r <= 0) {
         Py_DECREF(comm);
         if (r < 0)
@@ -1618,7 +1975,8 @@ lean_post(PyObject *reference, PyObject *what, int receive, PyObject *const *arg
         return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
     }
     WorkObject *work = reap() == 0 ? new_work(pg, receive, peer, tag, &buffer) : NULL;
-    Py_XDECREF(buffer.keep); /* the Work holds it now, unless it could not be made */
+    Py_XDECREF(buffer.keep); /* the Work holds them now, unless it could not be made */
+    Py_XDECREF(buffer.after);
     if (work != NULL && post_work(work, comm, &buffer, peer, tag) != MPI_SUCCESS) {
         Py_CLEAR(work); /* not posted: the Python path posts it again and words MPI's error */
         Py_DECREF(comm);
@@ -1658,7 +2016,7 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
         comm = group_comm(pg);
     if (comm == NULL)
         return HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames));
-    int r = lean_buffer(a[0], receive, what, &buffer, &taken);
+    int r = lean_buffer(a[0], receive, what, &buffer, &taken, STRIDED_IN_C);
     if (r == 0 && taken != NULL) { /* as ops._blocking does with a buffer that has more to do: a Work, waited */
         calls_handed[which]++;
         Py_DECREF(comm);
@@ -1673,8 +2031,10 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
     }
     if (r <= 0 || reap() < 0) {
         Py_DECREF(comm);
-        if (r > 0)
+        if (r > 0) {
             Py_DECREF(buffer.keep);
+            Py_XDECREF(buffer.after);
+        }
         return r == 0 ? HANDED(which, PyObject_Vectorcall(reference, args, nargs, kwnames)) : NULL;
     }
     MPI_Status status;
@@ -1699,6 +2059,16 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
         Py_END_ALLOW_THREADS
         wait_end(record);
     }
+    if (buffer.after != NULL && /* packed: a receive's message into the array, if it came whole; the buffer back */
+        packed_finish((PackedObject *)buffer.after,
+                      code == MPI_SUCCESS && (!receive || received_bytes(&status) == buffer.nbytes)) < 0 &&
+        code == MPI_SUCCESS) {
+        Py_DECREF(buffer.after);
+        Py_DECREF(buffer.keep);
+        Py_DECREF(comm);
+        return release_retired_after(NULL);
+    }
+    Py_XDECREF(buffer.after);
     Py_DECREF(buffer.keep);
     Py_DECREF(comm);
     if (code != MPI_SUCCESS) { /* worded as ops._blocking words it */
@@ -1894,7 +2264,7 @@ coll_buffer(PyObject *tensor, int writes, PyObject *what, Buffer *out)
     PyObject *taken = NULL;
     if (tensor == NULL)
         return 0;
-    int r = lean_buffer(tensor, writes, what, out, &taken);
+    int r = lean_buffer(tensor, writes, what, out, &taken, STRIDED_HAND);
     if (r == 0 && taken != NULL)
         return give_back(taken) < 0 ? -1 : 0;
     if (r > 0 && out->datatype != NULL) { /* resolved to a derived datatype: the reference prepares it */
@@ -2353,6 +2723,12 @@ static Reference ops_references[] = {
     {"send", &ref_send},
     {"recv", &ref_recv},
     {"batch", &ref_batch},
+    {"post_resolved", &ref_post_resolved},
+    {"byte", &mpi_byte},
+    {"layouts", &layouts_dict},
+    {"pool_take", &pool_take},
+    {"pool_give", &pool_give},
+    {"host_kind", &host_kind},
     {"resolvers", &resolvers},
     {"resolve", &resolve},
     {"release", &release},
@@ -2442,7 +2818,8 @@ setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
     if (PyErr_Occurred())
         return NULL;
     if (!PyDict_Check(resolvers) || !PyList_CheckExact(retired) || !PyDict_Check(validate_dict) ||
-        !PyType_Check(Op_type) || !PyType_IsSubtype((PyTypeObject *)Op_type, &OpBase_Type)) {
+        !PyDict_Check(layouts_dict) || !PyType_Check(Op_type) ||
+        !PyType_IsSubtype((PyTypeObject *)Op_type, &OpBase_Type)) {
         PyErr_SetString(PyExc_TypeError, "setup_ops: unexpected reference types");
         return NULL;
     }
@@ -2593,6 +2970,8 @@ static Name names[] = {
     {&s_oversubscribed, "oversubscribed", "settings.state"},
     {&s_dtype, "dtype", "tensors"},
     {&s_shape, "shape", "tensors"},
+    {&s_pack_min, "PACK_MIN", "memory.layouts"},
+    {&s_pack_max, "PACK_MAX", "memory.layouts"},
     {&coll_what[K_ALL_REDUCE], "all_reduce", NULL},
     {&coll_what[K_BROADCAST], "broadcast", NULL},
     {&coll_what[K_REDUCE], "reduce", NULL},
@@ -2681,7 +3060,7 @@ PyInit__accel(void)
     BatchBase_Type.tp_new = PyList_Type.tp_new;
     work_getset_init();
     if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0 ||
-        PyType_Ready(&Collective_Type) < 0)
+        PyType_Ready(&Collective_Type) < 0 || PyType_Ready(&Packed_Type) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < COUNT(names); i++)
         if (intern(names[i].slot, names[i].text) < 0)

@@ -91,8 +91,16 @@ def _numpy_memory(a: np.ndarray, writable: bool, what: str, kind: str = "numpy a
         raise _readonly_error(what, kind)
     if a.dtype.hasobject:
         raise TypeError(f"{what}: numpy arrays of dtype {a.dtype} hold Python object pointers and cannot be sent")
-    dtype = a.dtype.name if a.dtype.isnative or a.itemsize == 1 else f"{a.dtype.name} ({a.dtype.byteorder}-endian)"
+    dtype = _numpy_names.get(a.dtype)
+    if dtype is None:  # the name is a property numpy computes in Python: slow, so kept per dtype
+        name = a.dtype.name
+        dtype = _numpy_names[a.dtype] = (
+            name if a.dtype.isnative or a.itemsize == 1 else f"{name} ({a.dtype.byteorder}-endian)"
+        )
     return Memory(a.__array_interface__["data"][0], a.itemsize, a.shape, a.strides, dtype, kind, a, a)
+
+
+_numpy_names: dict[np.dtype[Any], str] = {}  # numpy dtype → Memory.dtype's text for it
 
 
 def _buffer_memory(obj: Any, writable: bool, what: str) -> Memory:
@@ -376,14 +384,14 @@ def _lean_numpy(a: np.ndarray, writable: bool, what: str) -> Resolved:
 
 def _torch_plain(t: Any) -> bool:
     """Whether a torch tensor is a contiguous, strided (dense) CPU one with no conjugate or negative bit."""
-    plain = t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg())
+    plain = t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())  # is_cpu: no device object made
     return bool(plain and t.layout is _STRIDED)
 
 
 def _lean_torch(t: Any, writable: bool, what: str) -> Resolved:
     """``place``'s contiguous case for a CPU torch tensor, made lean; any other goes the whole way."""
     if _torch_plain(t):
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         return [_fromaddress(t.data_ptr(), nbytes), nbytes, _BYTE], nbytes, t, None
     return _resolve_memory(_torch_memory(t, writable, what), writable, what)
 

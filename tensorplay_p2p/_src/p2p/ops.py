@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import engine, errors
-from ..memory import buffers, layouts
+from ..memory import buffers, devices, layouts
 from ..process import signals, watchdog
 from ..process.groups import GroupMember, ProcessGroup
 from ..settings import state
@@ -516,11 +516,12 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
     first = p2p_op_list[0]
     group = first[3] if type(first) is P2POp else None
     if group is None and _WORLD.communicator is not None and not validate.single_threaded:
-        pg: ProcessGroup | None = _WORLD  # the world, usable from this thread: the loop below checks the rest
+        pg = _WORLD  # the world, usable from this thread: the loop below checks the rest
     else:
-        pg = batch_group(p2p_op_list, _BATCH)
-        if pg is None:
+        member = batch_group(p2p_op_list, _BATCH)
+        if member is None:
             return BatchWork()
+        pg = member
     ops: list[tuple[bool, int, int, int]] = []
     resolved: list[buffers.Resolved] = []
     lookup = buffers.resolvers.get
@@ -538,6 +539,24 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> BatchWork:
                 raise
             resolved.append(buffer)
             ops.append((receive, p2p[5], p2p[4], buffer[1]))
+    except BaseException:
+        buffers.release(resolved)  # nothing was posted: give back staging buffers, free checked-mode datatypes
+        if layouts.retired:
+            layouts.release_retired()
+        raise
+    return post_resolved(p2p_op_list, pg, ops, resolved)
+
+
+def post_resolved(
+    p2p_op_list: Sequence[P2POp],
+    pg: ProcessGroup,
+    ops: list[tuple[bool, int, int, int]],
+    resolved: list[buffers.Resolved],
+) -> BatchWork:
+    """Post a batch whose ops are checked and resolved (``ops``: (receive, group peer, tag, bytes) each): the checks
+    across its buffers, then one ``BatchWork``.  The compiled engine calls it with the buffers it resolved, so that a
+    batch it does not post itself (a staged or packed op) is resolved once; what is resolved is released on error."""
+    try:
         if len(resolved) > 1:
             buffers.check_batch(resolved, ops, _BATCH)
         if state.checked:
@@ -582,6 +601,12 @@ if engine.accel is not None:  # the compiled engine: these calls made lean, the 
         send=send,
         recv=recv,
         batch=batch_isend_irecv,
+        post_resolved=post_resolved,
+        byte=MPI.BYTE,
+        layouts=vars(layouts),
+        pool_take=devices.packing_pool.take,
+        pool_give=devices.packing_pool.give,
+        host_kind=devices.pageable_host,
         resolvers=buffers.resolvers,
         resolve=buffers.resolve,
         release=buffers.release,

@@ -103,6 +103,9 @@ def _peers(group: Any, peer: int, me: int) -> frozenset[int]:
 
 def needs(waited: Any, me: int) -> Needs | None:
     """Which ranks the wait on ``waited`` (a handle, or a blocking call's tuple) cannot complete without, or None."""
+    if type(waited) is tuple and isinstance(waited[0], str):  # a blocking collective: (name, group, root, ...)
+        others = frozenset(waited[1].ranks) - {me}
+        return (SOME if waited[2] < 0 else EVERY, others) if others else None
     if type(waited) is tuple:  # a blocking send or receive: (receive, group, group peer, tag, nbytes, posted)
         ranks = _peers(waited[1], waited[2], me)
     elif hasattr(waited, "_messages"):  # a persistent exchange's step: every message

@@ -82,7 +82,8 @@ class Wait(NamedTuple):
 
     thread: int  # the waiting thread's ident
     key: tuple[Any, ...]  # equal in two looks while it is the same wait
-    waited: Any  # the handle waited on, or a blocking send/recv as (receive, group, group peer, tag, nbytes, posted)
+    waited: Any  # the handle waited on, or a blocking send/recv as (receive, group, group peer, tag, nbytes, posted),
+    # or a blocking collective as (name, group, root or -1, nbytes, posted)
     lines: Callable[[float], list[str]]  # now → one line per operation still pending
 
 
