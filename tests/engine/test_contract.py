@@ -305,3 +305,20 @@ def test_a_batch_with_packed_ops_is_resolved_once(monkeypatch: pytest.MonkeyPatc
     assert sorted(calls) == ([False, True] if compiled else [False, False, True, True])
     if engine.accel is not None:
         assert counted_batch == (1, 1)
+
+
+def test_dropped_compiled_collective_handles_are_reaped_by_the_next_collectives() -> None:
+    """An async_op handle the compiled engine made, dropped pending, is kept with its tensor and let go by a later
+    collective once MPI is done with it, as the Python path's handles are."""
+    import gc
+
+    from tensorplay_p2p._src.p2p import work as p2p_work
+
+    dist.all_reduce(np.full(3, 1.0), async_op=True)  # dropped at once
+    gc.collect()
+    for _ in range(10_000):  # every rank loops as long as any still holds a dropped handle
+        flag = np.array([float(len(p2p_work.dropped))])
+        dist.all_reduce(flag)
+        if not flag[0]:
+            break
+    assert not p2p_work.dropped

@@ -35,7 +35,7 @@ from ..p2p.validate import member_group
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds, tag_upper_bound
 from ..settings import state
-from . import reductions
+from . import checks, reductions
 from .arguments import Prepared, arg, as_list, check_dtypes, overlapping, root
 from .blocks import (
     all_gather,
@@ -565,7 +565,14 @@ reference = {
 }
 
 if engine.accel is not None:  # the compiled engine: these calls made lean, the functions above where they are not
-    engine.accel.setup_collectives(**reference, posted=posted, recipe=_recipe, stranded=stranded, sum=ReduceOp.SUM)
+    engine.accel.setup_collectives(
+        **reference,
+        posted=posted,
+        recipe=_recipe,
+        stranded=stranded,
+        mark_refused=checks.mark_refused,
+        sum=ReduceOp.SUM,
+    )
     all_reduce = engine.accel.all_reduce
     broadcast = engine.accel.broadcast
     reduce = engine.accel.reduce

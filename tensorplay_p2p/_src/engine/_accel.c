@@ -584,19 +584,20 @@ strided_buffer(PyObject *tensor, int receive, Buffer *out)
         return 1;
     }
     PyObject *host = PyObject_CallFunction(pool_take, "On", host_kind, nbytes);
-    if (host == NULL || PyObject_GetBuffer(host, &view, PyBUF_WRITABLE) < 0) {
-        Py_XDECREF(host);
+    if (host == NULL)
+        return -1;
+    PackedObject *hook =
+        PyObject_GetBuffer(host, &view, PyBUF_WRITABLE) == 0 ? PyObject_New(PackedObject, &Packed_Type) : NULL;
+    if (hook == NULL) { /* the buffer goes back, the error stays */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_XDECREF(PyObject_CallOneArg(pool_give, host));
+        Py_DECREF(host);
+        PyErr_Restore(type, value, tb);
         return -1;
     }
     char *packed = view.buf;
     PyBuffer_Release(&view); /* the pool's array keeps the memory */
-    PackedObject *hook = PyObject_New(PackedObject, &Packed_Type);
-    if (hook == NULL) {
-        PyObject *r = PyObject_CallOneArg(pool_give, host);
-        Py_XDECREF(r);
-        Py_DECREF(host);
-        return -1;
-    }
     hook->host = host;
     hook->array = receive ? Py_NewRef(tensor) : NULL;
     hook->base = base;
@@ -951,7 +952,8 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
         Py_END_ALLOW_THREADS
         wait_end(record);
     }
-    int mine = self->request == held && state_is(self->state, PENDING); /* not settled by another thread meanwhile */
+    int mine = self->request == held && state_is(self->state, PENDING) && /* not settled by another thread meanwhile */
+               (self->after == Py_None || Py_TYPE(self->after) == &Packed_Type);
     Py_DECREF(held);
     if (!mine)
         return HANDED(C_WORK_WAIT, call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames));
@@ -974,7 +976,7 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     Py_XSETREF(self->request, Py_NewRef(request_null));
     Py_XSETREF(self->state, Py_NewRef(done_obj));
     Py_XSETREF(self->keep, Py_NewRef(Py_None));
-    if (self->after != Py_None) { /* packed: a receive's message copied out, the buffer back to the pool */
+    if (self->after != Py_None && Py_TYPE(self->after) == &Packed_Type) { /* packed: copied out, buffer back */
         PyObject *hook = self->after;
         self->after = Py_NewRef(Py_None);
         int r = packed_finish((PackedObject *)hook, 1);
@@ -1760,7 +1762,13 @@ lean_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject 
         spans[ready] = (Span){(char *)op->buffer.address, op->buffer.nbytes, ready, op->receive};
     }
     if (ready < n || PyList_GET_SIZE(list) != n) {
-        if (discard(ops, ready) == 0 && fallback)
+        if (!fallback && PyErr_Occurred()) { /* the error raised stays; the buffers go back all the same */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (discard(ops, ready) < 0)
+                PyErr_WriteUnraisable(held);
+            PyErr_Restore(type, value, tb);
+        } else if (discard(ops, ready) == 0 && fallback)
             result = HANDED(C_BATCH, PyObject_Vectorcall(ref_batch, args, nargsf, kwnames));
         goto out;
     }
@@ -2061,8 +2069,7 @@ lean_blocking(PyObject *reference, PyObject *what, int receive, PyObject *const 
     }
     if (buffer.after != NULL && /* packed: a receive's message into the array, if it came whole; the buffer back */
         packed_finish((PackedObject *)buffer.after,
-                      code == MPI_SUCCESS && (!receive || received_bytes(&status) == buffer.nbytes)) < 0 &&
-        code == MPI_SUCCESS) {
+                      code == MPI_SUCCESS && (!receive || received_bytes(&status) == buffer.nbytes)) < 0) {
         Py_DECREF(buffer.after);
         Py_DECREF(buffer.keep);
         Py_DECREF(comm);
@@ -2156,7 +2163,7 @@ static const int coll_calls[K_KINDS] = {
 
 static PyObject *ref_coll[K_KINDS];  /* the Python reference of each */
 static PyObject *coll_what[K_KINDS]; /* each one's name, interned */
-static PyObject *coll_posted, *coll_recipe, *stranded, *sum_op, *one_obj;
+static PyObject *coll_posted, *coll_recipe, *stranded, *sum_op, *one_obj, *mark_refused;
 static PyObject *s_steps, *s_calls, *s_oversubscribed, *s_dtype, *s_shape;
 
 /* A call's arguments by parameter (NULL: not given), or 0 where they are not plain positional/keyword forms of
@@ -2422,6 +2429,48 @@ coll_complete(int kind, Where *w, int root, PyObject *op, PyObject *described, P
     return r == NULL ? NULL : Py_NewRef(Py_None);
 }
 
+/* A posted request that no handle took (an error or an interrupt right after the post): kept in ``stranded`` with
+ * what its buffers need, as CollectiveWork keeps a failed one, never waited here with the GIL held.  The error being
+ * raised is kept; only if even that fails is the request completed here, without the GIL. */
+static void
+strand(MPI_Request *request, PyObject *outputs, PyObject *inputs, PyObject *one, PyObject *two, PyObject *counts)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *req = PyMPIRequest_New(*request);
+    PyObject *entry = req ? Py_BuildValue("([O][OOOOO])", req, outputs ? outputs : Py_None, inputs ? inputs : Py_None,
+                                          one ? one : Py_None, two ? two : Py_None, counts ? counts : Py_None)
+                          : NULL;
+    if (entry != NULL && PyList_Append(stranded, entry) == 0)
+        *request = MPI_REQUEST_NULL;
+    Py_XDECREF(entry);
+    Py_XDECREF(req);
+    PyErr_Clear();
+    if (*request != MPI_REQUEST_NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        MPI_Wait(request, MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+/* A call that raised after its group was taken (an interrupt in a resolver, say): counted on the group and noted as
+ * refused, as ``checks.collective_group`` and ``checks.refused`` do, so that the members stay in step. */
+static void
+refused_here(PyObject *pg, int kind)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *calls = PyObject_GetAttr(pg, s_calls);
+    PyObject *next = calls ? PyNumber_Add(calls, one_obj) : NULL;
+    if (next != NULL && PyObject_SetAttr(pg, s_calls, next) == 0)
+        Py_XDECREF(PyObject_CallFunctionObjArgs(mark_refused, pg, coll_what[kind], NULL));
+    Py_XDECREF(calls);
+    Py_XDECREF(next);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
 static PyObject *
 lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
@@ -2437,6 +2486,7 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
     Py_ssize_t shown = 0; /* the bytes a description names */
     MPI_Request request = MPI_REQUEST_NULL;
     PyObject *op = NULL, *async_op = NULL, *group = NULL, *outputs = NULL, *inputs = NULL, *described = NULL;
+    PyObject *counts = NULL; /* all_to_all_single's counts and displacements */
     calls_made[which]++;
     if (ref_coll[kind] == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the compiled engine is not set up");
@@ -2470,6 +2520,10 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
         goto hand;
     if (op == NULL)
         op = sum_op;
+    if (reap() < 0) { /* the dropped handles MPI is done with, as CollectiveWork does first */
+        Py_DECREF(w.comm);
+        return NULL;
+    }
     MPI_Comm comm = *PyMPIComm_Get(w.comm);
     switch (kind) {
     case K_ALL_REDUCE:
@@ -2545,17 +2599,24 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
                 goto out;
             if ((r = rows_of(a[0], &rows_out, &row_out)) <= 0 || (r = rows_of(a[1], &rows_in, &row_in)) <= 0)
                 goto out;
-            if (row_out != row_in || rows_out % w.size != 0 || rows_in % w.size != 0 || w.size > 1024 ||
-                one.nbytes / w.size > INT_MAX || two.nbytes / w.size > INT_MAX)
+            if (row_out != row_in || rows_out % w.size != 0 || rows_in % w.size != 0 || one.nbytes > INT_MAX ||
+                two.nbytes > INT_MAX)
                 goto out;
-            int counts[2][1024], displs[2][1024];
+            /* the counts and displacements stay MPI's until the collective completes: kept with its inputs */
+            counts = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int) * 4 * w.size);
+            if (counts == NULL) {
+                r = -1;
+                goto out;
+            }
+            int *send_counts = (int *)PyBytes_AS_STRING(counts), *send_displs = send_counts + w.size;
+            int *receive_counts = send_displs + w.size, *receive_displs = receive_counts + w.size;
             int sends = (int)(two.nbytes / w.size), receives = (int)(one.nbytes / w.size);
             for (int i = 0; i < w.size; i++) {
-                counts[0][i] = sends, displs[0][i] = i * sends;
-                counts[1][i] = receives, displs[1][i] = i * receives;
+                send_counts[i] = sends, send_displs[i] = i * sends;
+                receive_counts[i] = receives, receive_displs[i] = i * receives;
             }
-            code = MPI_Ialltoallv(two.address, counts[0], displs[0], MPI_BYTE, one.address, counts[1], displs[1],
-                                  MPI_BYTE, comm, &request);
+            code = MPI_Ialltoallv(two.address, send_counts, send_displs, MPI_BYTE, one.address, receive_counts,
+                                  receive_displs, MPI_BYTE, comm, &request);
             described = a[1], shown = two.nbytes;
         }
         break;
@@ -2577,28 +2638,34 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
     PyObject *result = NULL;
     int paired = kind >= K_ALL_GATHER_INTO_TENSOR && kind <= K_ALL_TO_ALL_SINGLE; /* an output and an input */
     outputs = counted ? PyList_New(kind != K_BARRIER) : NULL;
-    inputs = outputs && paired ? PyList_New(1) : NULL;
+    inputs = outputs && paired ? PyList_New(counts != NULL ? 2 : 1) : NULL;
     if (outputs != NULL && (inputs != NULL || !paired)) {
         if (kind != K_BARRIER)
             PyList_SET_ITEM(outputs, 0, Py_NewRef(a[0]));
         if (inputs != NULL)
             PyList_SET_ITEM(inputs, 0, Py_NewRef(a[1]));
+        if (counts != NULL && inputs != NULL)
+            PyList_SET_ITEM(inputs, 1, Py_NewRef(counts));
         if (described == NULL && kind != K_BARRIER)
             described = a[0], shown = one.nbytes;
         result = async_op == Py_True ? coll_handle(kind, &w, root, op, described, outputs, inputs, &request, 0)
                                      : coll_complete(kind, &w, root, op, described, outputs, inputs, &request, shown);
     }
-    if (result == NULL && request != MPI_REQUEST_NULL) /* posted, and no handle took it: MPI's until it completes */
-        MPI_Wait(&request, MPI_STATUS_IGNORE);
+    if (result == NULL && request != MPI_REQUEST_NULL) /* posted, and no handle took it: kept until it completes */
+        strand(&request, outputs, inputs, one.keep, two.keep, counts);
     Py_XDECREF(outputs);
     Py_XDECREF(inputs);
     Py_XDECREF(one.keep);
     Py_XDECREF(two.keep);
+    Py_XDECREF(counts);
     Py_DECREF(w.comm);
     return result;
 out:
     Py_XDECREF(one.keep);
     Py_XDECREF(two.keep);
+    Py_XDECREF(counts);
+    if (r < 0) /* refused here, after the group was taken: counted and noted, as the reference does (checks.refused) */
+        refused_here(w.pg, kind);
     Py_DECREF(w.comm);
     if (r < 0)
         return NULL;
@@ -2757,6 +2824,7 @@ static Reference collectives_references[] = {
     {"posted", &coll_posted},
     {"recipe", &coll_recipe},
     {"stranded", &stranded},
+    {"mark_refused", &mark_refused},
     {"sum", &sum_op},
 };
 
