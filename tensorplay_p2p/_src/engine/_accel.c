@@ -1,19 +1,26 @@
-/* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls, in C over mpi4py's C API.
+/* The compiled engine of tensorplay_p2p: the hot path of point-to-point calls and collectives, in C over mpi4py's
+ * C API.
  *
- * It handles the common case (host buffers that are contiguous or already resolved to a plain MPI
- * buffer, any group, no checked mode, no watchdog, no torch profiler recording) with nothing but an empty
- * Work per op between the call and MPI, and its waits test first, so that an op already complete never
- * gives up the GIL.  Anything else is handed, unchanged and before anything is posted, to the Python
- * function or method it stands in for (the reference, given by ``setup_work``/``setup_ops``), so both
- * engines give the same results, exceptions and messages.  Error messages are always worded by the
- * package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
+ * It handles the common case (host buffers that are contiguous, strided numpy arrays it describes or packs
+ * itself, or buffers already resolved to a plain MPI buffer; any group, no checked mode, no watchdog, no torch
+ * profiler recording) with nothing but an empty Work per op between the call and MPI, and its waits test first, so
+ * that an op already complete never gives up the GIL.  Anything else is handed, unchanged and before anything is
+ * posted, to the Python function or method it stands in for (the reference, given by ``setup_work``, ``setup_ops``
+ * and ``setup_collectives``), so both engines give the same results, exceptions and messages.  Error messages are
+ * always worded by the package's Python code (``errors``, ``buffers``, ``validate``): nothing here words one.
  *
  * Types (each is the base of the Python class of the same role, which adds every other method):
- *   OpBase    - tuple subclass, the base of ``P2POp``; its constructor checks the common case inline.
- *   WorkBase  - the fields of ``Work``; ``wait()`` and the dropped-handle keep-alive.
- *   BatchBase - a list subclass, the base of ``BatchWork``: its items are the ops' Works; a batch posted
- *               here keeps its ops in C arrays, its Works shells, until Python code reads a field of
- *               one of them or ``_works``, which fills them in.
+ *   OpBase     - tuple subclass, the base of ``P2POp``; its constructor checks the common case inline.
+ *   WorkBase   - the fields of ``Work``; ``wait()`` and the dropped-handle keep-alive.
+ *   BatchBase  - a list subclass, the base of ``BatchWork``: its items are the ops' Works; a batch posted
+ *                here keeps its ops in C arrays, its Works shells, until Python code reads a field of
+ *                one of them or ``_works``, which fills them in.
+ * and of its own:
+ *   Collective - each compiled collective, a callable whose ``__wrapped__`` is its Python reference.
+ *   Packed     - a packed strided message's after-hook: a receive copied out, the pooled buffer given back.
+ *
+ * Sections, in order: references and state; counts; blocking waits; one buffer; strided numpy arrays; WorkBase;
+ * BatchBase; P2POp; batch_isend_irecv; isend, irecv, send, recv; the collectives; setup and the contract.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -338,7 +345,7 @@ datatype_of(Buffer *buffer)
     return buffer->datatype == NULL ? MPI_BYTE : *PyMPIDatatype_Get(buffer->datatype);
 }
 
-/* --- strided numpy arrays as derived datatypes ------------------------------------------------------- */
+/* --- strided numpy arrays: derived datatypes and packing ---------------------------------------------- */
 
 /* A strided numpy array below the packing range travels in place, described by a derived datatype, as the Python
  * path sends it (``layouts.simplify``, ``layouts.build``: the same bytes in C order, so the same type signature).
