@@ -2436,6 +2436,18 @@ coll_complete(int kind, Where *w, int root, PyObject *op, PyObject *described, P
     return r == NULL ? NULL : Py_NewRef(Py_None);
 }
 
+/* The call counted on its group, as ``checks.collective_group`` counts it (``calls += 1``): 0, or -1 with an error. */
+static int
+count_call(PyObject *pg)
+{
+    PyObject *calls = PyObject_GetAttr(pg, s_calls);
+    PyObject *next = calls ? PyNumber_Add(calls, one_obj) : NULL;
+    int r = next != NULL ? PyObject_SetAttr(pg, s_calls, next) : -1;
+    Py_XDECREF(calls);
+    Py_XDECREF(next);
+    return r;
+}
+
 /* A posted request that no handle took (an error or an interrupt right after the post): kept in ``stranded`` with
  * what its buffers need, as CollectiveWork keeps a failed one, never waited here with the GIL held.  The error being
  * raised is kept; only if even that fails is the request completed here, without the GIL. */
@@ -2468,12 +2480,8 @@ refused_here(PyObject *pg, int kind)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *calls = PyObject_GetAttr(pg, s_calls);
-    PyObject *next = calls ? PyNumber_Add(calls, one_obj) : NULL;
-    if (next != NULL && PyObject_SetAttr(pg, s_calls, next) == 0)
+    if (count_call(pg) == 0)
         Py_XDECREF(PyObject_CallFunctionObjArgs(mark_refused, pg, coll_what[kind], NULL));
-    Py_XDECREF(calls);
-    Py_XDECREF(next);
     PyErr_Clear();
     PyErr_Restore(type, value, tb);
 }
@@ -2636,12 +2644,7 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
     }
     if (code != MPI_SUCCESS) /* not posted: the reference posts it again, and words MPI's error */
         goto out;
-    /* posted: counted on the group, as ``checks.collective_group`` counts it */
-    PyObject *calls = PyObject_GetAttr(w.pg, s_calls);
-    PyObject *next = calls ? PyNumber_Add(calls, one_obj) : NULL;
-    int counted = next != NULL && PyObject_SetAttr(w.pg, s_calls, next) == 0;
-    Py_XDECREF(calls);
-    Py_XDECREF(next);
+    int counted = count_call(w.pg) == 0; /* posted: counted on the group */
     PyObject *result = NULL;
     int paired = kind >= K_ALL_GATHER_INTO_TENSOR && kind <= K_ALL_TO_ALL_SINGLE; /* an output and an input */
     outputs = counted ? PyList_New(kind != K_BARRIER) : NULL;
