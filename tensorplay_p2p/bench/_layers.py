@@ -61,22 +61,10 @@ def _null_backend(dist: Any) -> None:
         def is_completed(self) -> bool:
             return True
 
-    class Null(dist.ProcessGroup):  # type: ignore[misc]
-        _name = _desc = NULL  # torch names a Python group through these (as ProcessGroupTP2P does)
+    from ..torch._backend import NamedGroup
 
-        @property
-        def group_name(self) -> str:
-            return self._name
-
-        @property
-        def group_desc(self) -> str:
-            return self._desc
-
-        def _set_group_name(self, name: str) -> None:
-            self._name = name
-
-        def _set_group_desc(self, desc: str) -> None:
-            self._desc = desc
+    class Null(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]
+        _name = _desc = NULL
 
         def allreduce(self, tensors: Any, opts: Any = None) -> Any:
             return Done()

@@ -26,7 +26,7 @@ from .._src.process import groups, runtime
 from .._src.process.groups import GroupMember, ProcessGroup
 from ._work import TP2PWork
 
-__all__ = ["BACKEND", "ProcessGroupTP2P", "create"]
+__all__ = ["BACKEND", "NamedGroup", "ProcessGroupTP2P", "create"]
 
 BACKEND = "tp2p"
 
@@ -90,7 +90,31 @@ def _one(tensors: Sequence[Any], what: str) -> Any:
     return tensors[0]
 
 
-class ProcessGroupTP2P(dist.ProcessGroup):
+class NamedGroup:
+    """The name and description torch asks every Python process group for (functional collectives and DeviceMesh
+    look groups up by name), kept in ``_name`` and ``_desc``."""
+
+    _name: str
+    _desc: str
+
+    @property
+    def group_name(self) -> str:
+        """torch's name of this group (functional collectives and DeviceMesh look groups up by it)."""
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        """torch's description of this group."""
+        return self._desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+
+class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # torch types group_name its own way
     """A torch ProcessGroup over one of this package's groups (an MPI communicator)."""
 
     supports_splitting = False  # read from what ``_get_backend`` returns
@@ -119,22 +143,6 @@ class ProcessGroupTP2P(dist.ProcessGroup):
 
     def _get_backend_name(self) -> str:
         return BACKEND
-
-    @property
-    def group_name(self) -> str:
-        """torch's name of this group (functional collectives and DeviceMesh look groups up by it)."""
-        return self._name
-
-    @property
-    def group_desc(self) -> str:
-        """torch's description of this group."""
-        return self._desc
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
 
     @property
     def _device_types(self) -> list[torch.device]:
