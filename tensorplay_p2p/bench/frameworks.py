@@ -41,7 +41,8 @@ by default).  Iteration counts follow OSU (``--scale 0.25`` runs a quarter of th
 
 ``--layers`` (torch only) measures instead where a torch call's time goes: torch on ``tp2p``, torch on a do-nothing
 backend (torch's own layer) and the package's own call, interleaved; what ``tp2p`` adds is the first minus the other
-two (``_layers``).
+two (``_layers``).  ``--steps`` (torch only) measures training steps instead: a DDP and an FSDP2 step on ``tp2p``, on
+gloo, and the same steps with the package's collectives called directly (``_steps``).
 
 ``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
 names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...).  For
@@ -69,7 +70,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import _layers
+from . import _layers, _steps
 from ._config import comma_list, parse_size
 from ._report import format_figure
 from ._timing import (
@@ -171,6 +172,7 @@ class Config:
     markdown: bool = False
     framework: str = "torch"  # a key of FRAMEWORKS
     layers: bool = False  # instead of the benchmarks: torch's layer and the backend's share (``_layers``)
+    steps: bool = False  # instead of the benchmarks: DDP and FSDP2 steps, and their twins on the package (``_steps``)
 
 
 def sizes_between(low: int, high: int, step: int) -> tuple[int, ...]:
@@ -220,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the benchmarks (torch only): torch on tp2p against torch on a do-nothing backend and the "
         "package's own call, at 8 B and 1 MiB within the sizes: what the backend adds",
     )
+    add(
+        "--steps",
+        action="store_true",
+        help="instead of the benchmarks (torch only): a DDP and an FSDP2 training step on tp2p, on gloo, and the same "
+        "steps with the package's collectives called directly",
+    )
     return parser
 
 
@@ -245,6 +253,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         parser.error("--reps and --threads must be at least 1")
     if args.scale <= 0:
         parser.error("--scale must be positive")
+    if args.layers and args.steps:
+        parser.error("--layers and --steps are separate runs: give one")
     return Config(
         benchmarks=args.benchmarks,
         sizes=sizes_between(args.min_size, args.max_size, args.step),
@@ -255,6 +265,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         markdown=args.markdown,
         framework=args.framework,
         layers=args.layers,
+        steps=args.steps,
     )
 
 
@@ -830,8 +841,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         say(f"bench.frameworks needs {framework.name} ({exc}); install it, e.g. {framework.install}")
         return 2
-    if config.layers:
-        return _measure_layers(config)
+    if config.layers or config.steps:
+        return _measure_torch_only(config)
     meta = describe_run(config, argv)
     results = measure_all(config)
     if COMM.Get_rank() == 0:
@@ -847,21 +858,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _measure_layers(config: Config) -> int:
-    """``--layers``: the table of ``_layers`` (rank 0); 2 where the framework is not torch."""
+def _measure_torch_only(config: Config) -> int:
+    """``--layers`` or ``--steps``: the table of ``_layers`` or ``_steps`` (rank 0); 2 where the framework is not
+    torch."""
+    option = "--layers" if config.layers else "--steps"
     if config.framework != "torch":
-        say("bench.frameworks --layers measures torch's layer only")
+        say(f"bench.frameworks {option} measures torch only")
         return 2
     dist, groups, started = start(config)
     try:
-        sizes = tuple(s for s in (8, 1 << 20) if config.sizes[0] <= s <= config.sizes[-1]) or config.sizes[:1]
-        results = _layers.measure_layers(sizes, config.reps, config.scale)
+        if config.layers:
+            sizes = tuple(s for s in (8, 1 << 20) if config.sizes[0] <= s <= config.sizes[-1]) or config.sizes[:1]
+            table = _layers.format_layers(_layers.measure_layers(sizes, config.reps, config.scale), config.markdown)
+        else:
+            table = _steps.format_steps(_steps.measure_steps(groups, config.reps, config.scale), config.markdown)
     finally:
         dist.destroy_process_group(groups["gloo"])
         if started:
             dist.destroy_process_group()
     if COMM.Get_rank() == 0:
-        print(_layers.format_layers(results, config.markdown), flush=True)
+        print(table, flush=True)
     return 0
 
 

@@ -21,10 +21,11 @@ from torch.distributed.constants import default_pg_timeout
 
 from .._src.collectives import api
 from .._src.collectives.reductions import RedOpType, ReduceOp
+from .._src.errors import CommunicationError
 from .._src.p2p import ops, profiling
 from .._src.process import groups, runtime
 from .._src.process.groups import GroupMember, ProcessGroup
-from ._work import TP2PWork
+from ._work import TP2PWork, made, torch_error
 
 __all__ = ["BACKEND", "NamedGroup", "ProcessGroupTP2P", "create"]
 
@@ -75,10 +76,13 @@ def _posts(method: _Method) -> _Method:
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if profiling.active():
-            with profiling.recorded_as(BACKEND):
-                return method(*args, **kwargs)
-        return method(*args, **kwargs)
+        try:
+            if profiling.active():
+                with profiling.recorded_as(BACKEND):
+                    return method(*args, **kwargs)
+            return method(*args, **kwargs)
+        except CommunicationError as error:  # a blocking call's failure, or a refused post: as torch's backends raise
+            raise torch_error(error)  # noqa: B904 (the same exception, raised on)
 
     return cast(_Method, call)
 
@@ -179,21 +183,21 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
         return f"ProcessGroupTP2P({self._name!r}, rank={self.group.rank()}, size={self.group.size()})"
 
     def _work(self, what: str, handles: Sequence[Any], result: list[Any]) -> TP2PWork:
-        return TP2PWork(what, handles, result, self)
+        return made(what, handles, result, self)
 
     # --- point to point ---------------------------------------------------------------------------------------
 
     @_posts
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> TP2PWork:  # noqa: N803
         """isend of one tensor to group rank ``dstRank``."""
-        tensor = _one(tensors, "send")
-        return self._work("send", [ops.isend(tensor, group=self.group, tag=tag, group_dst=dstRank)], [tensor])
+        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "send")
+        return made("send", [ops.isend(tensor, group=self.group, tag=tag, group_dst=dstRank)], [tensor], self)
 
     @_posts
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> TP2PWork:  # noqa: N803
         """irecv of one tensor from group rank ``srcRank``."""
-        tensor = _one(tensors, "recv")
-        return self._work("recv", [ops.irecv(tensor, group=self.group, tag=tag, group_src=srcRank)], [tensor])
+        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "recv")
+        return made("recv", [ops.irecv(tensor, group=self.group, tag=tag, group_src=srcRank)], [tensor], self)
 
     @_posts
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TP2PWork:
@@ -202,139 +206,160 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
         return self._work("recvAnySource", [ops.irecv(tensor, group=self.group, tag=tag)], [tensor])
 
     # --- collectives ------------------------------------------------------------------------------------------
+    #
+    # torch's Python layer passes ``opts.asyncOp`` False for a blocking call, waits on the work it gets back and on
+    # nothing when it gets None (c10d's answer of a backend that completed the call itself).  Such a call, with no
+    # group timeout to honour, is made blocking here: the package's blocking collective, no work.  Every other call
+    # (``async_op=True``, torch's C++ callers such as DDP's reducer, a group with a timeout) posts and returns a work.
+
+    def _now(self, opts: Any) -> bool:
+        """Whether this call completes here, blocking, and returns None (see above)."""
+        return opts is not None and not opts.asyncOp and self.timeout is None
 
     @_posts
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
         """all_reduce of each tensor (one per device; one here)."""
-        op = _reduce_op(opts)
-        handles = [api.all_reduce(t, op, group=self.group, async_op=True) for t in tensors]
-        return self._work("all_reduce", handles, list(tensors))
+        op, now = _reduce_op(opts), self._now(opts)
+        if len(tensors) == 1:  # the common case, without a loop
+            handle = api.all_reduce(tensors[0], op, group=self.group, async_op=not now)
+            return None if now else self._work("all_reduce", [handle], list(tensors))
+        handles = [api.all_reduce(t, op, group=self.group, async_op=not now) for t in tensors]
+        return None if now else self._work("all_reduce", handles, list(tensors))
 
     @_posts
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
         """all_reduce of several tensors, completed together."""
-        handle = api.all_reduce_coalesced(list(tensors), _reduce_op(opts), group=self.group, async_op=True)
-        return self._work("all_reduce_coalesced", [handle], list(tensors))
+        now = self._now(opts)
+        handle = api.all_reduce_coalesced(list(tensors), _reduce_op(opts), group=self.group, async_op=not now)
+        return None if now else self._work("all_reduce_coalesced", [handle], list(tensors))
 
     @_posts
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
         """broadcast from group rank ``opts.rootRank``."""
-        tensor = _one(tensors, "broadcast")
+        tensor, now = _one(tensors, "broadcast"), self._now(opts)
         root = opts.rootRank if opts is not None else 0
-        handle = api.broadcast(tensor, group=self.group, async_op=True, group_src=root)
-        return self._work("broadcast", [handle], [tensor])
+        handle = api.broadcast(tensor, group=self.group, async_op=not now, group_src=root)
+        return None if now else self._work("broadcast", [handle], [tensor])
 
     @_posts
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
         """reduce onto group rank ``opts.rootRank``."""
-        tensor = _one(tensors, "reduce")
+        tensor, now = _one(tensors, "reduce"), self._now(opts)
         root = opts.rootRank if opts is not None else 0
-        handle = api.reduce(tensor, op=_reduce_op(opts), group=self.group, async_op=True, group_dst=root)
-        return self._work("reduce", [handle], [tensor])
+        handle = api.reduce(tensor, op=_reduce_op(opts), group=self.group, async_op=not now, group_dst=root)
+        return None if now else self._work("reduce", [handle], [tensor])
 
     @_posts
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """all_gather of one tensor into a list of one tensor per rank."""
-        outputs = _one(output_tensors, "allgather")
-        handle = api.all_gather(outputs, _one(input_tensors, "allgather"), group=self.group, async_op=True)
-        return self._work("all_gather", [handle], list(outputs))
+        outputs, now = _one(output_tensors, "allgather"), self._now(opts)
+        handle = api.all_gather(outputs, _one(input_tensors, "allgather"), group=self.group, async_op=not now)
+        return None if now else self._work("all_gather", [handle], list(outputs))
 
     @_posts
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """all_gather of several tensors, completed together."""
-        handle = api.all_gather_coalesced(output_lists, input_list, group=self.group, async_op=True)
-        return self._work("all_gather_coalesced", [handle], [t for outputs in output_lists for t in outputs])
+        now = self._now(opts)
+        handle = api.all_gather_coalesced(output_lists, input_list, group=self.group, async_op=not now)
+        return None if now else self._work("all_gather_coalesced", [handle], [t for o in output_lists for t in o])
 
     @_posts
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TP2PWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TP2PWork | None:
         """all_gather_into_tensor (torch 2.13's name; ``_allgather_base`` before)."""
-        handle = api.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        return self._work("_allgather_base", [handle], [output])
+        now = self._now(opts)
+        handle = api.all_gather_into_tensor(output, input, group=self.group, async_op=not now)
+        return None if now else self._work("_allgather_base", [handle], [output])
 
     _allgather_base = all_gather_single
 
     @_posts
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """all_gather_into_tensor of several pairs, completed together."""
         if len(outputs) != len(inputs):
             raise ValueError(f"tp2p all_gather_into_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs")
+        now = self._now(opts)
         handles = [
-            api.all_gather_into_tensor(o, i, group=self.group, async_op=True)
+            api.all_gather_into_tensor(o, i, group=self.group, async_op=not now)
             for o, i in zip(outputs, inputs, strict=True)
         ]
-        return self._work("allgather_into_tensor_coalesced", handles, list(outputs))
+        return None if now else self._work("allgather_into_tensor_coalesced", handles, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @_posts
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """gather onto group rank ``opts.rootRank`` (its ``output_tensors`` is ``[gather_list]``)."""
         root = opts.rootRank if opts is not None else 0
         gather_list = _one(output_tensors, "gather") if self.group.rank() == root else None
-        handle = api.gather(_one(input_tensors, "gather"), gather_list, group=self.group, async_op=True, group_dst=root)
-        return self._work("gather", [handle], list(gather_list or []))
+        now = self._now(opts)
+        handle = api.gather(
+            _one(input_tensors, "gather"), gather_list, group=self.group, async_op=not now, group_dst=root
+        )
+        return None if now else self._work("gather", [handle], list(gather_list or []))
 
     @_posts
     def scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """scatter from group rank ``opts.rootRank`` (its ``input_tensors`` is ``[scatter_list]``)."""
         root = opts.rootRank if opts is not None else 0
-        output = _one(output_tensors, "scatter")
+        output, now = _one(output_tensors, "scatter"), self._now(opts)
         scatter_list = _one(input_tensors, "scatter") if self.group.rank() == root else None
-        handle = api.scatter(output, scatter_list, group=self.group, async_op=True, group_src=root)
-        return self._work("scatter", [handle], [output])
+        handle = api.scatter(output, scatter_list, group=self.group, async_op=not now, group_src=root)
+        return None if now else self._work("scatter", [handle], [output])
 
     @_posts
     def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """reduce_scatter of a list of one tensor per rank."""
-        output = _one(output_tensors, "reduce_scatter")
+        output, now = _one(output_tensors, "reduce_scatter"), self._now(opts)
         handle = api.reduce_scatter(
-            output, _one(input_tensors, "reduce_scatter"), op=_reduce_op(opts), group=self.group, async_op=True
+            output, _one(input_tensors, "reduce_scatter"), op=_reduce_op(opts), group=self.group, async_op=not now
         )
-        return self._work("reduce_scatter", [handle], [output])
+        return None if now else self._work("reduce_scatter", [handle], [output])
 
     @_posts
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TP2PWork:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TP2PWork | None:
         """reduce_scatter_tensor (torch 2.13's name; ``_reduce_scatter_base`` before)."""
-        handle = api.reduce_scatter_tensor(output, input, op=_reduce_op(opts), group=self.group, async_op=True)
-        return self._work("_reduce_scatter_base", [handle], [output])
+        now = self._now(opts)
+        handle = api.reduce_scatter_tensor(output, input, op=_reduce_op(opts), group=self.group, async_op=not now)
+        return None if now else self._work("_reduce_scatter_base", [handle], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     @_posts
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """reduce_scatter_tensor of several pairs, completed together."""
         if len(outputs) != len(inputs):
             raise ValueError(f"tp2p reduce_scatter_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs")
-        op = _reduce_op(opts)
+        op, now = _reduce_op(opts), self._now(opts)
         handles = [
-            api.reduce_scatter_tensor(o, i, op=op, group=self.group, async_op=True)
+            api.reduce_scatter_tensor(o, i, op=op, group=self.group, async_op=not now)
             for o, i in zip(outputs, inputs, strict=True)
         ]
-        return self._work("reduce_scatter_tensor_coalesced", handles, list(outputs))
+        return None if now else self._work("reduce_scatter_tensor_coalesced", handles, list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     @_posts
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """all_to_all of one tensor per rank each way (sizes may differ)."""
-        handle = api.all_to_all(output_tensors, input_tensors, group=self.group, async_op=True)
-        return self._work("all_to_all", [handle], list(output_tensors))
+        now = self._now(opts)
+        handle = api.all_to_all(output_tensors, input_tensors, group=self.group, async_op=not now)
+        return None if now else self._work("all_to_all", [handle], list(output_tensors))
 
     @_posts
     def all_to_all_single(
@@ -344,19 +369,22 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
         output_split_sizes: list[int] | None = None,
         input_split_sizes: list[int] | None = None,
         opts: Any = None,
-    ) -> TP2PWork:
+    ) -> TP2PWork | None:
         """all_to_all_single along dim 0, even or by the split sizes (torch 2.13's name; ``alltoall_base`` before)."""
+        now = self._now(opts)
         handle = api.all_to_all_single(
-            output, input, output_split_sizes or None, input_split_sizes or None, group=self.group, async_op=True
+            output, input, output_split_sizes or None, input_split_sizes or None, group=self.group, async_op=not now
         )
-        return self._work("all_to_all", [handle], [output])
+        return None if now else self._work("all_to_all", [handle], [output])
 
     alltoall_base = all_to_all_single
 
     @_posts
-    def barrier(self, opts: Any = None) -> TP2PWork:
+    def barrier(self, opts: Any = None) -> TP2PWork | None:
         """A nonblocking barrier (``MPI_Ibarrier``)."""
-        return self._work("barrier", [api.barrier(group=self.group, async_op=True)], [])
+        now = self._now(opts)
+        handle = api.barrier(group=self.group, async_op=not now)
+        return None if now else self._work("barrier", [handle], [])
 
     @_posts
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
@@ -366,19 +394,25 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
 
 def _reduce_op(opts: Any) -> Any:
     """The ReduceOp of torch's options (SUM without options), as the package's member where it names one plainly
-    (so that the compiled engine knows it at once; torch makes a new ``ReduceOp`` object at each read)."""
+    (so that the compiled engine knows it at once; torch makes a new ``ReduceOp`` object at each read, and its enum
+    members hash slowly: they are looked up by value)."""
     if opts is None:
         return ReduceOp.SUM
     op = opts.reduceOp
+    if op == _SUM:  # the common case, compared without reading the member
+        return ReduceOp.SUM
     try:
-        return _PLAIN[op.op]
-    except (AttributeError, KeyError, TypeError):  # PREMUL_SUM, or not torch's: the package judges it
+        plain = _PLAIN[op.op.value]
+    except (AttributeError, IndexError, TypeError):  # not torch's: the package judges it
         return op
+    return op if plain is None else plain  # None: PREMUL_SUM, which carries a factor
 
 
-# torch's RedOpType members → the package's, for the ops that carry nothing else (PREMUL_SUM carries a factor)
-_PLAIN = {
-    getattr(dist.ReduceOp.RedOpType, member.name): member
+# torch's RedOpType members by value → the package's, for the ops that carry nothing else (PREMUL_SUM carries a factor)
+_BY_VALUE = {
+    getattr(dist.ReduceOp.RedOpType, member.name).value: member
     for member in RedOpType
     if member is not RedOpType.PREMUL_SUM and hasattr(dist.ReduceOp.RedOpType, member.name)
 }
+_SUM = dist.ReduceOp.SUM  # torch's RedOpType member, as its ``all_reduce`` stores it in the options
+_PLAIN: list[Any] = [_BY_VALUE.get(value) for value in range(max(_BY_VALUE) + 1)]

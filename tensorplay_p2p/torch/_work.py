@@ -15,7 +15,7 @@ from .._src.p2p.work import Composite
 if TYPE_CHECKING:
     from ._backend import ProcessGroupTP2P
 
-__all__ = ["TP2PWork", "torch_error"]
+__all__ = ["TP2PWork", "made", "torch_error"]
 
 _NO_TIMEOUT = timedelta(0)  # what torch passes for "no timeout given"
 _as_torch: dict[type[CommunicationError], type[CommunicationError]] = {}
@@ -34,19 +34,19 @@ def torch_error(error: CommunicationError) -> CommunicationError:
 
 
 class TP2PWork(Composite, dist.Work):
-    """One call's work: completes its handles (a P2P op or collectives of this package) in ``wait``."""
+    """One call's work: completes its handles (a P2P op or collectives of this package) in ``wait``.  Made by
+    ``made`` (torch's ``Work`` constructor, then the fields: a Python ``__init__`` would cost a third of a send)."""
 
-    def __init__(self, what: str, handles: Sequence[Any], result: list[Any], group: ProcessGroupTP2P) -> None:
-        """``handles`` posted for ``what`` on ``group``; ``result`` the tensors ``result()`` and the future give."""
-        super().__init__()
-        self._what = what
-        self.handles = handles
-        self._result = result
-        self._group = group
+    __slots__ = ("_group", "_result", "_what", "handles")
+    _what: str
+    handles: Sequence[Any]
+    _result: list[Any]
+    _group: ProcessGroupTP2P
 
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
         """Complete the call (within ``timeout``, else the group's, else none); raise its error. Returns True."""
-        limit = self._group.timeout if timeout == _NO_TIMEOUT else timeout.total_seconds()
+        no_timeout = timeout is _NO_TIMEOUT or timeout == _NO_TIMEOUT
+        limit = self._group.timeout if no_timeout else timeout.total_seconds()
         try:
             for handle in self.handles:
                 handle.wait(limit)
@@ -86,3 +86,14 @@ class TP2PWork(Composite, dist.Work):
 
     def __repr__(self) -> str:
         return f"TP2PWork({self._what!r}, group={self._group.group_name!r}, completed={self.is_completed()})"
+
+
+def made(what: str, handles: Sequence[Any], result: list[Any], group: ProcessGroupTP2P) -> TP2PWork:
+    """The work of ``handles`` posted for ``what`` on ``group``; ``result`` the tensors ``result()`` and the future
+    give."""
+    work = TP2PWork()
+    work._what = what
+    work.handles = handles
+    work._result = result
+    work._group = group
+    return work

@@ -143,3 +143,30 @@ def test_layers_shows_torch_s_layer_and_the_backend_s_share() -> None:
     for tp2p, null, package, added, ratio in rows.values():
         assert tp2p > 0 and null > 0 and package > 0 and ratio > 0
         assert math.isclose(added, tp2p - null - package, rel_tol=0.01, abs_tol=0.1), done.stdout  # as rounded
+
+
+def test_steps_times_ddp_and_fsdp2_on_three_series() -> None:
+    """``--steps``: a DDP and an FSDP2 step on tp2p, on gloo and with the package's collectives called directly; every
+    figure positive and each ratio their quotient (the twins' values are checked in tests/torchsuite)."""
+    pytest.importorskip("torch")
+    done = torchbench("--steps", "--scale", "0.01", "--reps", "3")
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("## training steps: torch on tp2p, on gloo, and the package's"), done.stdout
+    assert lines[1].split() == ["step", "ranks", "tp2p", "gloo", "package", "tp2p", "/", "gloo", "tp2p", "/", "package"]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:]}
+    assert set(rows) == {"ddp", "fsdp2"}, done.stdout
+    for ranks, tp2p, gloo, package, to_gloo, to_package in rows.values():
+        assert ranks == 2 and tp2p > 0 and gloo > 0 and package > 0
+        assert math.isclose(to_gloo, tp2p / gloo, rel_tol=0.02)
+        assert math.isclose(to_package, tp2p / package, rel_tol=0.02)
+
+
+def test_layers_and_steps_are_separate_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorplay_p2p.bench.frameworks", "--layers", "--steps"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 2 and "--layers and --steps are separate runs" in done.stderr

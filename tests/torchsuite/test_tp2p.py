@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import tensorplay_p2p  # noqa: E402
+import tensorplay_p2p.config  # noqa: E402
 import tensorplay_p2p.torch  # noqa: E402  (registers tp2p even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -267,6 +268,58 @@ def test_barrier_and_coalesced() -> None:
             dist.all_reduce(t)
     assert torch.equal(tensors[0], torch.full((2,), float(SIZE)))
     assert torch.equal(tensors[1], torch.full((3,), 2.0 * SIZE))
+
+
+def test_blocking_calls_complete_in_the_backend() -> None:
+    """torch's blocking calls pass ``asyncOp`` False: the backend completes them itself and returns no work (c10d's
+    answer of a backend that did); a call with ``asyncOp`` True (``async_op=True``, torch's C++ callers) and any call
+    on a group with a timeout get a work.  The values are right either way."""
+    pg = dist.group.WORLD
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    t = torch.ones(3)
+    assert pg.allreduce([t], opts) is None and torch.equal(t, torch.full((3,), float(SIZE)))
+    opts.asyncOp = True
+    work = pg.allreduce([t], opts)
+    assert work is not None and work.wait() and torch.equal(t, torch.full((3,), float(SIZE * SIZE)))
+    options = dist.BroadcastOptions()
+    options.asyncOp, options.rootRank = False, SIZE - 1
+    b = torch.full((2,), float(RANK))
+    assert pg.broadcast([b], options) is None and torch.equal(b, torch.full((2,), float(SIZE - 1)))
+    timed = dist.new_group(timeout=timedelta(seconds=60))
+    u = torch.full((2,), float(RANK))
+    dist.all_reduce(u, group=timed)  # posted, then waited within the group's timeout
+    assert torch.equal(u, torch.full((2,), float(SIZE * (SIZE - 1) // 2)))
+    dist.destroy_process_group(timed)
+
+
+@pytest.mark.skipif(tensorplay_p2p.config.engine != "compiled", reason="counts the compiled engine's calls")
+def test_blocking_all_reduce_takes_the_compiled_path() -> None:
+    t = torch.ones(2)
+    before = tensorplay_p2p.config.engine_counts()["all_reduce"]
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    after = tensorplay_p2p.config.engine_counts()["all_reduce"]
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 0)  # (taken, handed)
+    assert torch.equal(t, torch.full((2,), float(SIZE)))
+
+
+def test_benchmark_steps_and_their_package_twins_compute_the_same() -> None:
+    """The training steps ``bench.frameworks --steps`` times: DDP and FSDP2 on tp2p and on gloo, and the same steps
+    with the package's collectives called directly, give the same parameters after two steps (at 3 ranks FSDP2
+    pads its shards, and the twin holds them as it does)."""
+    from tensorplay_p2p.bench import _steps
+
+    gloo = dist.new_group(backend="gloo")
+    try:
+        for kind in _steps.KINDS:
+            got = _steps.twin_step(kind, {"tp2p": dist.group.WORLD, "gloo": gloo}, steps=2)
+            for name in ("gloo", "package"):
+                assert len(got[name]) == len(got["tp2p"]) == 2 * _steps.LAYERS
+                for mine, theirs in zip(got["tp2p"], got[name], strict=True):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7, msg=f"{kind}: tp2p vs {name}")
+    finally:
+        dist.destroy_process_group(gloo)
 
 
 def test_functional_collectives() -> None:
