@@ -14,19 +14,20 @@ block's time is the slowest rank's; the figure reported is the median over block
 
 - ``latency``: blocking ping-pong, half the round trip (osu_latency)
 - ``bw``: a window of 64 nonblocking sends, completed, then a 4-byte ack (osu_bw)
-- ``bw_strided``: ``bw`` with every other float64 of an array (8 B to 4 MiB); raw mpi4py and gloo
+- ``bw_strided``: ``bw`` with every other float64 of an array (8 B to 16 MiB); raw mpi4py and gloo
   pack and unpack each message with numpy, as their users must
 - ``bibw``: both sides post 64 receives and 64 sends (osu_bibw)
 - ``mbw_mr``: np/2 pairs, rank i with i + np/2, aggregate bandwidth and message rate (osu_mbw_mr)
 - ``batch``: ``batch_isend_irecv`` of k ops (k/2 sends, k/2 receives) with a peer
 - ``exchange``: the symmetric exchange (receive + send to the peer, wait for both), the small-message latency test
 - ``halo2d``, ``halo3d``: one halo-exchange step on a periodic Cartesian grid; size is the interior edge
-- ``all_reduce``, ``broadcast``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``: one
-  blocking collective of float32 over every rank (``coll`` names them all; they are not in the default set); size
-  is each rank's tensor (the output of ``reduce_scatter_tensor``, each block of ``all_to_all_single``).  Besides
-  ``tensorplay`` and the hand-written nonblocking collective of mpi4py (``Iallreduce(...).Wait()``, ...),
-  ``tensorplay[checked]`` runs the same calls with checked mode on for that series only: what comparing the
-  members' arguments before each collective costs
+- ``all_reduce``, ``broadcast``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``,
+  ``all_gather``, ``gather``, ``scatter``: one blocking collective of float32 over every rank (``coll`` names them
+  all; they are not in the default set); size is each rank's tensor (the output of ``reduce_scatter_tensor`` and
+  ``scatter``, each block of ``all_to_all_single``; the lists of ``all_gather``, ``gather`` and ``scatter`` are the
+  blocks of one array, rooted at rank 0).  Besides ``tensorplay``, the hand-written blocking collective of mpi4py
+  (``Allreduce``, ``Gather``, ...) and the C floor, ``tensorplay[checked]`` runs the same calls with checked mode on
+  for that series only: what comparing the members' arguments before each collective costs
 
 The tensorplay series run on the engine this process has (``tensorplay_p2p.engine``; set
 ``TENSORPLAY_P2P_ACCEL=0`` for the pure-Python one).  To put both engines side by side, run once

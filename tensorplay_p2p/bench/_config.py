@@ -9,7 +9,16 @@ from pathlib import Path
 
 IMPLS = ("tensorplay", "mpi4py", "C", "gloo")  # C: the floor, the package's MPI calls in a C loop
 POINT_TO_POINT = ("latency", "bw", "bw_strided", "bibw", "mbw_mr", "batch", "exchange", "halo2d", "halo3d")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_gather",
+    "gather",
+    "scatter",
+)
 PATTERN_NAMES = (*POINT_TO_POINT, *COLLECTIVES)  # the keys of ``_patterns.PATTERNS``, in its order
 QUICK_SCALE = 1 / 20
 HALO_DEFAULT_MAX_EDGE = {2: 2048, 3: 128}

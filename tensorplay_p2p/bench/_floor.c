@@ -49,7 +49,8 @@ floor_latency(MPI_Fint handle, void *out, void *into, int nbytes, int peer, int 
 
 /* One collective of ``count`` float32 per rank's block, the nonblocking call the package posts, then MPI_Wait:
  * 0 all_reduce (in place), 1 broadcast (from rank 0, as bytes), 2 all_gather_into_tensor (bytes),
- * 3 reduce_scatter_tensor, 4 all_to_all_single (MPI_Ialltoallv of bytes, even counts). */
+ * 3 reduce_scatter_tensor, 4 all_to_all_single (MPI_Ialltoallv of bytes, even counts), 5 all_gather
+ * (MPI_Iallgatherv of bytes), 6 gather and 7 scatter (MPI_Igatherv, MPI_Iscatterv of bytes, rooted at rank 0). */
 double
 floor_collective(int which, MPI_Fint handle, void *source, void *into, int count, int n)
 {
@@ -81,8 +82,17 @@ floor_collective(int which, MPI_Fint handle, void *source, void *into, int count
         case 3:
             MPI_Ireduce_scatter_block(source, into, count, MPI_FLOAT, MPI_SUM, comm, &request);
             break;
-        default:
+        case 4:
             MPI_Ialltoallv(source, counts, displs, MPI_BYTE, into, counts, displs, MPI_BYTE, comm, &request);
+            break;
+        case 5:
+            MPI_Iallgatherv(source, nbytes, MPI_BYTE, into, counts, displs, MPI_BYTE, comm, &request);
+            break;
+        case 6:
+            MPI_Igatherv(source, nbytes, MPI_BYTE, into, counts, displs, MPI_BYTE, 0, comm, &request);
+            break;
+        default:
+            MPI_Iscatterv(source, counts, displs, MPI_BYTE, into, nbytes, MPI_BYTE, 0, comm, &request);
         }
         MPI_Wait(&request, MPI_STATUS_IGNORE);
     }

@@ -540,11 +540,16 @@ def collective_buffers(name: str, size: int) -> tuple[npt.NDArray[np.float32], n
     if name in ("all_reduce", "broadcast"):
         data = np.full(n, float(COMM.Get_rank() + 1), np.float32)
         return data, data
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather", "gather"):
         return np.full(n, 1.0, np.float32), np.empty(n * ranks, np.float32)
     return np.full(n * ranks, 1.0, np.float32), np.empty(
-        n if name == "reduce_scatter_tensor" else n * ranks, np.float32
+        n if name in ("reduce_scatter_tensor", "scatter") else n * ranks, np.float32
     )
+
+
+def blocks_of(array: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
+    """A list collective's list: ``array``'s blocks, one per rank (views: the same memory as the other series')."""
+    return list(np.split(array, COMM.Get_size()))
 
 
 def collective_tensorplay(name: str, checked: bool) -> Builder:
@@ -554,12 +559,18 @@ def collective_tensorplay(name: str, checked: bool) -> Builder:
 
     def build(s: Setting) -> Loop:
         source, into = collective_buffers(name, s.size)
+        root = COMM.Get_rank() == 0
+        gathered = blocks_of(into) if name in ("all_gather", "gather") else []
+        scattered = blocks_of(source) if name == "scatter" and root else None
         call: Callable[[], object] = {
             "all_reduce": lambda: tp.all_reduce(into),
             "broadcast": lambda: tp.broadcast(into, src=0),
             "all_gather_into_tensor": lambda: tp.all_gather_into_tensor(into, source),
             "reduce_scatter_tensor": lambda: tp.reduce_scatter_tensor(into, source),
             "all_to_all_single": lambda: tp.all_to_all_single(into, source),
+            "all_gather": lambda: tp.all_gather(gathered, source),
+            "gather": lambda: tp.gather(source, gathered if root else None, dst=0),
+            "scatter": lambda: tp.scatter(into, scattered, src=0),
         }[name]
 
         def body(n: int) -> None:
@@ -586,6 +597,9 @@ def collective_mpi4py(name: str) -> Builder:
             "all_gather_into_tensor": lambda: COMM.Allgather(source, into),
             "reduce_scatter_tensor": lambda: COMM.Reduce_scatter_block(source, into, MPI.SUM),
             "all_to_all_single": lambda: COMM.Alltoall(source, into),
+            "all_gather": lambda: COMM.Allgather(source, into),
+            "gather": lambda: COMM.Gather(source, into, 0),
+            "scatter": lambda: COMM.Scatter(source, into, 0),
         }[name]
 
         def body(n: int) -> None:
@@ -616,12 +630,18 @@ def collective_gloo(name: str) -> Builder:
     def build(s: Setting) -> Loop:
         gloo = s.ctx.gloo
         source, into = (torch_view(a) for a in collective_buffers(name, s.size))
+        root = COMM.Get_rank() == 0
+        gathered = list(into.chunk(COMM.Get_size())) if name in ("all_gather", "gather") else []
+        scattered = list(source.chunk(COMM.Get_size())) if name == "scatter" and root else None
         call: Callable[[], object] = {
             "all_reduce": lambda: gloo.all_reduce(into),
             "broadcast": lambda: gloo.broadcast(into, 0),
             "all_gather_into_tensor": lambda: gloo.all_gather_into_tensor(into, source),
             "reduce_scatter_tensor": lambda: gloo.reduce_scatter_tensor(into, source),
             "all_to_all_single": lambda: gloo.all_to_all_single(into, source),
+            "all_gather": lambda: gloo.all_gather(gathered, source),
+            "gather": lambda: gloo.gather(source, gathered if root else None, dst=0),
+            "scatter": lambda: gloo.scatter(into, scattered, src=0),
         }[name]
 
         def body(n: int) -> None:
@@ -733,7 +753,7 @@ PATTERNS: dict[str, Pattern] = {
             series=standard_series(bw_strided_tensorplay, bw_strided_mpi4py, bw_strided_gloo),
             volume=bw_volume,
             counts=BANDWIDTH_COUNTS,
-            size_range=(8, 4 << 20),
+            size_range=(8, 16 << 20),
         ),
         Pattern(
             name="bibw",

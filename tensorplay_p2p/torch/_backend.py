@@ -219,12 +219,18 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
     @_posts
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
         """all_reduce of each tensor (one per device; one here)."""
-        op, now = _reduce_op(opts), self._now(opts)
-        if len(tensors) == 1:  # the common case, without a loop
-            handle = api.all_reduce(tensors[0], op, group=self.group, async_op=not now)
-            return None if now else self._work("all_reduce", [handle], list(tensors))
-        handles = [api.all_reduce(t, op, group=self.group, async_op=not now) for t in tensors]
-        return None if now else self._work("all_reduce", handles, list(tensors))
+        if opts is None or len(tensors) != 1:
+            op, now = _reduce_op(opts), self._now(opts)
+            handles = [api.all_reduce(t, op, group=self.group, async_op=not now) for t in tensors]
+            return None if now else self._work("all_reduce", handles, list(tensors))
+        # the common case, every training loop's and DDP's call, spelled out (each Python call here is a share of it)
+        op = opts.reduceOp
+        op = ReduceOp.SUM if op == _SUM else _package_op(op)
+        if opts.asyncOp or self.timeout is not None:
+            handle = api.all_reduce(tensors[0], op, group=self.group, async_op=True)
+            return made("all_reduce", [handle], list(tensors), self)
+        api.all_reduce(tensors[0], op, group=self.group)
+        return None
 
     @_posts
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TP2PWork | None:
@@ -393,19 +399,22 @@ class ProcessGroupTP2P(NamedGroup, dist.ProcessGroup):  # type: ignore[misc]  # 
 
 
 def _reduce_op(opts: Any) -> Any:
-    """The ReduceOp of torch's options (SUM without options), as the package's member where it names one plainly
-    (so that the compiled engine knows it at once; torch makes a new ``ReduceOp`` object at each read, and its enum
-    members hash slowly: they are looked up by value)."""
+    """The ReduceOp of torch's options (SUM without options), as the package's member where it names one plainly."""
     if opts is None:
         return ReduceOp.SUM
     op = opts.reduceOp
-    if op == _SUM:  # the common case, compared without reading the member
-        return ReduceOp.SUM
+    return ReduceOp.SUM if op == _SUM else _package_op(op)
+
+
+def _package_op(op: Any) -> Any:
+    """torch's ReduceOp ``op`` as the package's member where it names one plainly (so that the compiled engine
+    knows it at once: torch makes a new ``ReduceOp`` object at each read, and its enum members hash slowly, so
+    they are looked up by value); else ``op`` itself (PREMUL_SUM, which carries a factor), which the package judges."""
     try:
         plain = _PLAIN[op.op.value]
     except (AttributeError, IndexError, TypeError):  # not torch's: the package judges it
         return op
-    return op if plain is None else plain  # None: PREMUL_SUM, which carries a factor
+    return op if plain is None else plain
 
 
 # torch's RedOpType members by value → the package's, for the ops that carry nothing else (PREMUL_SUM carries a factor)

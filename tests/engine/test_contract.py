@@ -135,11 +135,21 @@ def test_blocking_calls_are_counted_and_a_wait_with_a_timeout_is_handed_over() -
 
 
 @compiled_only
-@pytest.mark.parametrize("stride", [2, 3], ids=["packed", "in_place"])
-def test_a_strided_numpy_message_is_taken_by_the_compiled_path(stride: int) -> None:
-    """A strided host array in the packing range (every other float64: 16 KiB) is packed in C, its receive copied out
-    at completion; one below it (every third of 3069: 8 KiB - 8 B) travels in place with a derived datatype."""
-    n = 4096 if stride == 2 else 3069  # 2048 float64 (16 KiB) or 1023 (8 KiB - 8 B)
+@pytest.mark.parametrize(
+    ("stride", "n", "pack_max"),
+    [(2, 4096, None), (3, 30, None), (3, 3069, 4096)],
+    ids=["packed", "small_packed", "in_place"],
+)
+def test_a_strided_numpy_message_is_taken_by_the_compiled_path(
+    stride: int, n: int, pack_max: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strided host array up to PACK_MAX is packed in C, whatever its size (every other float64: 16 KiB; every
+    third: 80 B), its receive copied out at completion; one above PACK_MAX (here lowered to 4 KiB: every third of
+    3069, 8 KiB - 8 B) travels in place with a derived datatype."""
+    from tensorplay_p2p._src.memory import layouts
+
+    if pack_max is not None:
+        monkeypatch.setattr(layouts, "PACK_MAX", pack_max)
     out = np.arange(float(n)) + RANK
     into = np.zeros(n)
     before = engine.counts()
@@ -217,6 +227,12 @@ def _collectives(asynchronous: bool, strided: bool) -> list[str]:
     received, sent = make(2 * SIZE), make(2 * SIZE, np.arange(2.0 * SIZE) + 100 * RANK)
     run(dist.all_to_all_single(received, sent, async_op=asynchronous))
     run(dist.barrier(async_op=asynchronous))
+    listed = [make(2) for _ in range(SIZE)]
+    run(dist.all_gather(listed, make(2, RANK + 0.5), async_op=asynchronous))
+    root_list = [make(2) for _ in range(SIZE)] if RANK == SIZE - 1 else None
+    run(dist.gather(make(2, 10.0 + RANK), root_list, dst=SIZE - 1, async_op=asynchronous))
+    piece, pieces = make(3), [make(3, 20.0 + r) for r in range(SIZE)] if RANK == 0 else None
+    run(dist.scatter(piece, pieces, src=0, async_op=asynchronous))
     expected = {
         "all_reduce": (a, [total] * 3),
         "broadcast": (b, [SIZE - 1.0] * 3),
@@ -224,7 +240,11 @@ def _collectives(asynchronous: bool, strided: bool) -> list[str]:
         "all_gather_into_tensor": (gathered, [float(r) for r in range(SIZE) for _ in range(2)]),
         "reduce_scatter_tensor": (scattered, [SIZE * (2.0 * RANK + i) for i in range(2)]),
         "all_to_all_single": (received, [100.0 * r + 2 * RANK + i for r in range(SIZE) for i in range(2)]),
+        "all_gather": (np.concatenate(listed), [r + 0.5 for r in range(SIZE) for _ in range(2)]),
+        "scatter": (piece, [20.0 + RANK] * 3),
     }
+    if root_list is not None:
+        expected["gather"] = (np.concatenate(root_list), [10.0 + r for r in range(SIZE) for _ in range(2)])
     for name, (got, want) in expected.items():
         if got.tolist() != want:
             wrong.append(f"{name}: {got.tolist()} != {want}")
@@ -253,8 +273,12 @@ def test_the_collectives_uncommon_cases_are_handed_to_python() -> None:
     dist.all_reduce(average, op=dist.ReduceOp.AVG)  # divided at completion
     dist.all_to_all_single(split, np.full(SIZE, RANK, np.float32), [1] * SIZE, [1] * SIZE)  # splits given
     dist.barrier(timeout=WAIT)  # a timeout: the reference's polled wait
+    listed = [np.zeros(2, np.float32) for _ in range(SIZE)]
+    listed[RANK][...] = RANK
+    dist.all_gather(listed, listed[RANK])  # in place: the input is one of the outputs (the reference copies it)
     counted = _delta(before)
-    assert counted == {"all_reduce": (2, 2), "all_to_all_single": (1, 1), "barrier": (1, 1)}
+    assert counted == {"all_reduce": (2, 2), "all_to_all_single": (1, 1), "barrier": (1, 1), "all_gather": (1, 1)}
+    assert np.concatenate(listed).tolist() == [float(r) for r in range(SIZE) for _ in range(2)]
     assert half.tolist() == [SIZE] * 4 and average.tolist() == [(SIZE - 1) / 2] * 4
     assert split.tolist() == [float(r) for r in range(SIZE)]
 

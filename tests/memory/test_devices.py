@@ -228,3 +228,24 @@ def test_pool_keeps_the_size_in_use_within_its_byte_budget() -> None:
     huge = pool.take(source, 8192)  # larger than the whole budget: never kept
     pool.give(huge)
     assert pool.kept(source, 8192) == 0
+
+
+def test_pool_shares_its_counts_and_trim() -> None:
+    """A pool that shares its terms with another allocator (the compiled engine's packing buffers) counts that one's
+    buffers in ``in_use`` and ``kept_bytes``, and drops them in ``trim``."""
+    theirs = {"in_use": 2, "kept": 4096}
+    trimmed = []
+
+    def trim() -> None:
+        trimmed.append(True)
+        theirs["kept"] = 0
+
+    pool = devices.HostPool(keep_per_size=3, keep_bytes=1 << 20)
+    assert (pool.keep_per_size, pool.keep_bytes) == (3, 1 << 20)
+    pool.share(lambda: (theirs["in_use"], theirs["kept"]), trim)
+    mine = pool.take(devices.pageable_host, 100)
+    assert pool.in_use == 3 and pool.kept_bytes == 4096
+    pool.give(mine)
+    assert pool.in_use == 2 and pool.kept_bytes == 4096 + 128
+    pool.trim()
+    assert trimmed and pool.kept_bytes == 0

@@ -562,6 +562,9 @@ reference = {
     "reduce_scatter_tensor": reduce_scatter_tensor,
     "all_to_all_single": all_to_all_single,
     "barrier": barrier,
+    "all_gather": all_gather,
+    "gather": gather,
+    "scatter": scatter,
 }
 
 if engine.accel is not None:  # the compiled engine: these calls made lean, the functions above where they are not
@@ -580,3 +583,6 @@ if engine.accel is not None:  # the compiled engine: these calls made lean, the 
     reduce_scatter_tensor = reduce_scatter_single = engine.accel.reduce_scatter_tensor
     all_to_all_single = engine.accel.all_to_all_single
     barrier = engine.accel.barrier
+    all_gather = engine.accel.all_gather
+    gather = engine.accel.gather
+    scatter = engine.accel.scatter

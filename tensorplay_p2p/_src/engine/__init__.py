@@ -118,8 +118,8 @@ def counts() -> dict[str, tuple[int, int]]:
         (a case it does not take: a strided or device tensor, checked mode, a timeout, the watchdog, ...), for
         ``isend``, ``irecv``, ``send``, ``recv``, ``batch_isend_irecv``, ``P2POp``, ``Work.wait``,
         ``BatchWork.wait`` and the collectives ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather_into_tensor``,
-        ``reduce_scatter_tensor``, ``all_to_all_single`` and ``barrier``; empty under the pure-Python engine, which
-        takes none.
+        ``reduce_scatter_tensor``, ``all_to_all_single``, ``barrier``, ``all_gather``, ``gather`` and ``scatter``;
+        empty under the pure-Python engine, which takes none.
     """
     return dict(accel.counts()) if accel is not None else {}
 

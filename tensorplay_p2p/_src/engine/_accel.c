@@ -48,7 +48,7 @@
 static PyObject *Work_type, *Batch_type, *Op_type;            /* the Python classes */
 static PyObject *ref_work_wait, *ref_batch_wait, *ref_new_op; /* the Python methods replaced */
 static PyObject *ref_isend, *ref_irecv, *ref_send, *ref_recv, *ref_batch, *ref_post_resolved, *mpi_byte, *layouts_dict;
-static PyObject *pool_take, *pool_give, *host_kind; /* the packing pool's take and give, and the host buffers' kind */
+static PyObject *pool_keep_obj, *pool_keep_bytes_obj; /* the packing pool's bounds, read into pool_keep(_bytes) */
 static PyObject *dropped, *reap_dropped, *retired, *release_retired;
 static PyObject *world, *group_type, *resolvers, *resolve, *release;
 static PyObject *overlap_error, *failure, *size_error;
@@ -59,7 +59,7 @@ static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
 
 static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
-static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_min, *s_pack_max;
+static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_max;
 static PyObject *s_fail, *s_complete, *s_finish;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what,
     *s_recv_what;
@@ -84,6 +84,9 @@ enum {
     C_REDUCE_SCATTER_TENSOR,
     C_ALL_TO_ALL_SINGLE,
     C_BARRIER,
+    C_ALL_GATHER,
+    C_GATHER,
+    C_SCATTER,
     C_CALLS
 };
 static const char *const call_names[C_CALLS] = {
@@ -102,6 +105,9 @@ static const char *const call_names[C_CALLS] = {
     "reduce_scatter_tensor",
     "all_to_all_single",
     "barrier",
+    "all_gather",
+    "gather",
+    "scatter",
 };
 static Py_ssize_t calls_made[C_CALLS], calls_handed[C_CALLS]; /* under the GIL: plain increments */
 
@@ -492,34 +498,107 @@ strided_copy(char *base, const Strided *layout, char *packed, int pack)
     }
 }
 
+/* The packing buffers: plain memory by power-of-two size, reused here on the terms of the package's packing pool
+ * (``devices.packing_pool``: at most ``pool_keep`` buffers of a size and ``pool_keep_bytes`` in all kept for reuse,
+ * buffers of other sizes dropped first, the largest first, to make room for the size in use), whose ``in_use``,
+ * ``kept_bytes`` and ``trim()`` count and drop these too (``HostPool.share``).  The pool's own take and give are
+ * Python calls, about as costly as packing a few KiB.  Only under the GIL. */
+#define POOL_CLASSES 48
+static char **pool_free[POOL_CLASSES]; /* per size class 1 << c: a stack of pool_keep slots, made on first use */
+static int pool_count[POOL_CLASSES];
+static Py_ssize_t pool_keep, pool_keep_bytes, pool_kept, pool_leased;
+
+/* A buffer of at least ``nbytes`` (its size class in ``*cls``), or NULL with MemoryError. */
+static char *
+pool_lease(Py_ssize_t nbytes, int *cls)
+{
+    int c = 0;
+    while (c < POOL_CLASSES - 1 && ((Py_ssize_t)1 << c) < nbytes)
+        c++;
+    *cls = c;
+    char *buffer = NULL;
+    if (pool_count[c] > 0) {
+        buffer = pool_free[c][--pool_count[c]];
+        pool_kept -= (Py_ssize_t)1 << c;
+    } else if ((buffer = PyMem_RawMalloc((size_t)1 << c)) == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    pool_leased++;
+    return buffer;
+}
+
+static void
+pool_drop(int c)
+{
+    PyMem_RawFree(pool_free[c][--pool_count[c]]);
+    pool_kept -= (Py_ssize_t)1 << c;
+}
+
+/* ``buffer`` of size class ``c`` back, kept for reuse within the bounds or freed. */
+static void
+pool_return(char *buffer, int c)
+{
+    Py_ssize_t size = (Py_ssize_t)1 << c;
+    pool_leased--;
+    if (pool_free[c] == NULL && pool_keep > 0)
+        pool_free[c] = PyMem_RawCalloc((size_t)pool_keep, sizeof(char *));
+    if (pool_free[c] == NULL || pool_count[c] >= pool_keep || size > pool_keep_bytes) {
+        PyMem_RawFree(buffer);
+        return;
+    }
+    for (int o = POOL_CLASSES - 1; o >= 0 && pool_kept + size > pool_keep_bytes; o--)
+        while (o != c && pool_count[o] > 0 && pool_kept + size > pool_keep_bytes)
+            pool_drop(o);
+    while (pool_count[c] > 0 && pool_kept + size > pool_keep_bytes)
+        pool_drop(c);
+    pool_free[c][pool_count[c]++] = buffer;
+    pool_kept += size;
+}
+
+PyDoc_STRVAR(packing_counts_doc, "packing_counts($module, /)\n--\n\n"
+                                 "The packing buffers: (in use, bytes kept for reuse).");
+PyDoc_STRVAR(packing_trim_doc, "packing_trim($module, /)\n--\n\nFree the packing buffers kept for reuse.");
+
+static PyObject *
+packing_counts(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("(nn)", pool_leased, pool_kept);
+}
+
+static PyObject *
+packing_trim(PyObject *module, PyObject *unused)
+{
+    for (int c = 0; c < POOL_CLASSES; c++)
+        while (pool_count[c] > 0)
+            pool_drop(c);
+    Py_RETURN_NONE;
+}
+
 /* Packed: a packed message's after-hook, ``after(receipt, error)`` as the Python path calls one (``work._run_after``):
  * a receive's message is copied into the array's elements unless it failed, then the buffer goes back to the
- * packing pool (as ``buffers.place``'s packed path does); returns ``error``.  A hook dropped unrun (an op never
- * posted) gives its buffer back too. */
+ * packing buffers (as ``buffers.place``'s packed path gives its buffer back to the pool); returns ``error``.  A hook
+ * dropped unrun (an op never posted) gives its buffer back too. */
 typedef struct {
     PyObject_HEAD
-    PyObject *host;  /* the pooled buffer (a numpy array), until given back */
+    char *packed;    /* the packing buffer, until given back; NULL after */
+    int size_class;  /* its size class (pool_lease) */
     PyObject *array; /* a receive's strided array, or NULL */
     char *base;      /* its lowest byte */
-    char *packed;    /* the buffer's first byte */
     Strided layout;
 } PackedObject;
 
-/* Copy a receive out (``ok``) and give the buffer back: 0, or -1 with an error (the pool's). */
+/* Copy a receive out (``ok``) and give the buffer back: 0 (nothing here can fail). */
 static int
 packed_finish(PackedObject *self, int ok)
 {
-    if (ok && self->array != NULL && self->host != NULL)
+    if (ok && self->array != NULL && self->packed != NULL)
         strided_copy(self->base, &self->layout, self->packed, 0);
     Py_CLEAR(self->array);
-    PyObject *host = self->host;
-    self->host = NULL;
-    if (host == NULL)
-        return 0;
-    PyObject *r = PyObject_CallOneArg(pool_give, host);
-    Py_DECREF(host);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
+    if (self->packed != NULL)
+        pool_return(self->packed, self->size_class);
+    self->packed = NULL;
+    return 0;
 }
 
 static PyObject *
@@ -566,14 +645,15 @@ strided_buffer(PyObject *tensor, int receive, Buffer *out)
     Strided layout;
     int ok = view.len <= INT_MAX && (view.format == NULL || strchr(view.format, 'O') == NULL) &&
              simplify_view(&view, &layout);
-    PyObject *low = ok ? PyDict_GetItemWithError(layouts_dict, s_pack_min) : NULL;
     PyObject *high = ok ? PyDict_GetItemWithError(layouts_dict, s_pack_max) : NULL;
-    Py_ssize_t pack_min = low && PyLong_Check(low) ? PyLong_AsSsize_t(low) : -1;
     Py_ssize_t pack_max = high && PyLong_Check(high) ? PyLong_AsSsize_t(high) : -1;
     PyErr_Clear();
-    ok = ok && pack_min >= 0 && pack_max >= 0;
-    int packs = ok && pack_min <= view.len && view.len <= pack_max; /* layouts.packs */
-    char *base = view.buf;                                          /* the lowest byte: the strides are positive */
+    ok = ok && pack_max >= 0;
+    /* packed in C up to PACK_MAX, whatever the size: a pooled buffer and a C copy cost less than MPICH's walk of a
+     * datatype from the smallest messages up (1.4 to 1.6 times a hand-packed send's bandwidth at 16 B to 4 KiB, where
+     * the datatype gets 0.5 to 1.4); PACK_MIN is the bound of the Python path's numpy packing (layouts.packs) */
+    int packs = ok && view.len <= pack_max;
+    char *base = view.buf; /* the lowest byte: the strides are positive */
     Py_ssize_t nbytes = view.len;
     PyBuffer_Release(&view); /* the array itself keeps the memory */
     out->nbytes = nbytes;
@@ -590,31 +670,24 @@ strided_buffer(PyObject *tensor, int receive, Buffer *out)
         out->keep = Py_NewRef(tensor);
         return 1;
     }
-    PyObject *host = PyObject_CallFunction(pool_take, "On", host_kind, nbytes);
-    if (host == NULL)
-        return -1;
-    PackedObject *hook =
-        PyObject_GetBuffer(host, &view, PyBUF_WRITABLE) == 0 ? PyObject_New(PackedObject, &Packed_Type) : NULL;
-    if (hook == NULL) { /* the buffer goes back, the error stays */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        Py_XDECREF(PyObject_CallOneArg(pool_give, host));
-        Py_DECREF(host);
-        PyErr_Restore(type, value, tb);
+    int size_class;
+    char *packed = pool_lease(nbytes, &size_class);
+    PackedObject *hook = packed != NULL ? PyObject_New(PackedObject, &Packed_Type) : NULL;
+    if (hook == NULL) {
+        if (packed != NULL)
+            pool_return(packed, size_class);
         return -1;
     }
-    char *packed = view.buf;
-    PyBuffer_Release(&view); /* the pool's array keeps the memory */
-    hook->host = host;
+    hook->packed = packed;
+    hook->size_class = size_class;
     hook->array = receive ? Py_NewRef(tensor) : NULL;
     hook->base = base;
-    hook->packed = packed;
     hook->layout = layout;
     if (!receive) /* packed now: the array may change once the call returns */
         strided_copy(base, &layout, packed, 1);
     out->address = packed;
     out->count = (int)nbytes;
-    out->keep = Py_NewRef(host);
+    out->keep = Py_NewRef((PyObject *)hook); /* the hook holds the buffer until it gives it back */
     out->after = (PyObject *)hook;
     return 1;
 }
@@ -2149,6 +2222,9 @@ enum {
     K_REDUCE_SCATTER_TENSOR,
     K_ALL_TO_ALL_SINGLE,
     K_BARRIER,
+    K_ALL_GATHER,
+    K_GATHER,
+    K_SCATTER,
     K_KINDS
 };
 #define K_PARAMS 6
@@ -2163,10 +2239,23 @@ static const char *const coll_params[K_KINDS][K_PARAMS] = {
     [K_REDUCE_SCATTER_TENSOR] = {"output", "input", "op", "group", "async_op"},
     [K_ALL_TO_ALL_SINGLE] = {"output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"},
     [K_BARRIER] = {"group", "async_op", "device_ids", "timeout"},
+    [K_ALL_GATHER] = {"tensor_list", "tensor", "group", "async_op"},
+    [K_GATHER] = {"tensor", "gather_list", "dst", "group", "async_op", "group_dst"},
+    [K_SCATTER] = {"tensor", "scatter_list", "src", "group", "async_op", "group_src"},
 };
 static const int coll_calls[K_KINDS] = {
-    C_ALL_REDUCE,        C_BROADCAST, C_REDUCE, C_ALL_GATHER_INTO_TENSOR, C_REDUCE_SCATTER_TENSOR,
-    C_ALL_TO_ALL_SINGLE, C_BARRIER};
+    /* each one's entry in the counts */
+    [K_ALL_REDUCE] = C_ALL_REDUCE,
+    [K_BROADCAST] = C_BROADCAST,
+    [K_REDUCE] = C_REDUCE,
+    [K_ALL_GATHER_INTO_TENSOR] = C_ALL_GATHER_INTO_TENSOR,
+    [K_REDUCE_SCATTER_TENSOR] = C_REDUCE_SCATTER_TENSOR,
+    [K_ALL_TO_ALL_SINGLE] = C_ALL_TO_ALL_SINGLE,
+    [K_BARRIER] = C_BARRIER,
+    [K_ALL_GATHER] = C_ALL_GATHER,
+    [K_GATHER] = C_GATHER,
+    [K_SCATTER] = C_SCATTER,
+};
 
 static PyObject *ref_coll[K_KINDS];  /* the Python reference of each */
 static PyObject *coll_what[K_KINDS]; /* each one's name, interned */
@@ -2373,6 +2462,89 @@ overlaps(Buffer *a, Buffer *b)
     return a->nbytes > 0 && b->nbytes > 0 && x < y + b->nbytes && y < x + a->nbytes;
 }
 
+typedef struct {
+    char *address;
+    Py_ssize_t index;
+} Placed;
+
+static int
+by_address(const void *x, const void *y)
+{
+    char *a = ((const Placed *)x)->address, *b = ((const Placed *)y)->address;
+    return a < b ? -1 : a > b;
+}
+
+/* A list argument of one tensor per member (``n``), each of ``like``'s type and dtype and of ``one->nbytes`` bytes, as
+ * one MPI buffer of bytes (what the reference's ``arguments.Blocks`` is for contiguous host tensors): the lowest
+ * address (``*base``), each tensor's byte count and byte displacement from it (``sizes``, ``displs``), and the tensors
+ * in a new list (``*items``).  1; 0 for the Python path (a list or tuple of another length or anything else, an element
+ * of another type, dtype or size, or not plain host memory, two of them or one and ``one`` that overlap, a span past
+ * INT_MAX); -1 on an error to raise. */
+static int
+coll_list(PyObject *list, PyObject *like, Buffer *one, int writes, PyObject *what, int n, char **base, int *sizes,
+          int *displs, PyObject **items)
+{
+    if (list == NULL || !(PyList_CheckExact(list) || PyTuple_CheckExact(list)) || Py_SIZE(list) != n ||
+        one->nbytes <= 0 || one->nbytes > INT_MAX)
+        return 0;
+    PyObject *dtype = PyObject_GetAttr(like, s_dtype);
+    if (dtype == NULL)
+        return clear_error() < 0 ? -1 : 0;
+    Placed *placed = PyMem_New(Placed, (size_t)n + 1);
+    PyObject *made = placed != NULL ? PyList_New(n) : NULL;
+    int r = made != NULL ? 1 : -1;
+    if (placed == NULL)
+        PyErr_NoMemory();
+    for (int i = 0; r > 0 && i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(list, i);
+        Buffer b = {0};
+        if (Py_TYPE(item) != Py_TYPE(like) || (r = coll_buffer(item, writes, what, &b)) <= 0) {
+            r = r < 0 ? -1 : 0;
+            break;
+        }
+        Py_CLEAR(b.keep); /* the tensor, held by ``made``, keeps its memory */
+        PyObject *d = b.nbytes == one->nbytes ? PyObject_GetAttr(item, s_dtype) : NULL;
+        int same = d == NULL                      ? (b.nbytes == one->nbytes ? -1 : 0)
+                   : d == dtype                   ? 1
+                   : Py_TYPE(d) == Py_TYPE(dtype) ? PyObject_RichCompareBool(d, dtype, Py_EQ)
+                                                  : 0;
+        Py_XDECREF(d);
+        if (same <= 0) {
+            r = same < 0 ? (clear_error() < 0 ? -1 : 0) : 0;
+            break;
+        }
+        placed[i] = (Placed){b.address, i};
+        PyList_SET_ITEM(made, i, Py_NewRef(item));
+    }
+    if (r > 0) {
+        char *low = placed[0].address;
+        for (int i = 1; i < n; i++)
+            low = placed[i].address < low ? placed[i].address : low;
+        placed[n] = (Placed){one->address, n};
+        qsort(placed, (size_t)n + 1, sizeof(Placed), by_address);
+        for (int i = 0; r > 0 && i < n; i++) /* all of one->nbytes: apart when each starts past the one before */
+            if (placed[i + 1].address - placed[i].address < one->nbytes)
+                r = 0;
+        for (int i = 0; r > 0 && i <= n; i++) {
+            Py_ssize_t k = placed[i].index;
+            if (k == n)
+                continue;
+            if (placed[i].address - low > INT_MAX - one->nbytes)
+                r = 0;
+            else
+                sizes[k] = (int)one->nbytes, displs[k] = (int)(placed[i].address - low);
+        }
+        *base = low;
+    }
+    Py_DECREF(dtype);
+    PyMem_Free(placed);
+    if (r > 0)
+        *items = made;
+    else
+        Py_XDECREF(made);
+    return r;
+}
+
 /* The handle of a posted collective, made by the reference's ``posted`` (and failed with ``code`` unless 0). */
 static PyObject *
 coll_handle(int kind, Where *w, int root, PyObject *op, PyObject *described, PyObject *outputs, PyObject *inputs,
@@ -2528,6 +2700,13 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
     case K_ALL_TO_ALL_SINGLE:
         group = a[4], async_op = a[5];
         break;
+    case K_ALL_GATHER:
+        group = a[2], async_op = a[3];
+        break;
+    case K_GATHER:
+    case K_SCATTER:
+        group = a[3], async_op = a[4];
+        break;
     default:
         group = a[0], async_op = a[1];
     }
@@ -2636,6 +2815,55 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
         }
         break;
     }
+    case K_ALL_GATHER:
+    case K_GATHER:
+    case K_SCATTER: {
+        /* one: this rank's tensor (scatter's output, the others' input); the list, held by the root (every rank for
+         * all_gather), one tensor per member as one MPI buffer with byte displacements, as the reference posts it */
+        PyObject *list = kind == K_ALL_GATHER ? a[0] : a[1], *tensor = kind == K_ALL_GATHER ? a[1] : a[0];
+        PyObject *items = NULL;
+        char *base = NULL;
+        int *sizes = NULL, *displs = NULL;
+        if (kind != K_ALL_GATHER && (root = coll_root(&w, a[2], a[5])) < 0)
+            goto out;
+        if ((r = coll_buffer(tensor, kind == K_SCATTER, what, &one)) <= 0)
+            goto out;
+        if (kind == K_ALL_GATHER || root == w.rank) {
+            counts = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sizeof(int) * 2 * w.size);
+            if (counts == NULL) {
+                r = -1;
+                goto out;
+            }
+            sizes = (int *)PyBytes_AS_STRING(counts), displs = sizes + w.size;
+            if ((r = coll_list(list, tensor, &one, kind != K_SCATTER, what, w.size, &base, sizes, displs, &items)) <= 0)
+                goto out;
+        } else if (!(is_none(list) || ((PyList_CheckExact(list) || PyTuple_CheckExact(list)) && Py_SIZE(list) == 0)))
+            goto out; /* a list on a rank other than the root: the reference refuses it, in torch's words */
+        else if (one.nbytes <= 0 || one.nbytes > INT_MAX)
+            goto out;
+        /* what the handle keeps until completion: outputs as ``result()`` gives them, inputs with the counts */
+        PyObject *mine = PyList_New(1);
+        if (mine != NULL)
+            PyList_SET_ITEM(mine, 0, Py_NewRef(tensor));
+        PyObject *listed = items != NULL ? items : PyList_New(0);
+        if (kind == K_SCATTER)
+            outputs = mine, inputs = listed;
+        else
+            outputs = listed, inputs = mine;
+        if (outputs == NULL || inputs == NULL || (counts != NULL && PyList_Append(inputs, counts) < 0)) {
+            r = -1;
+            goto out;
+        }
+        int n = (int)one.nbytes;
+        if (kind == K_ALL_GATHER)
+            code = MPI_Iallgatherv(one.address, n, MPI_BYTE, base, sizes, displs, MPI_BYTE, comm, &request);
+        else if (kind == K_GATHER)
+            code = MPI_Igatherv(one.address, n, MPI_BYTE, base, sizes, displs, MPI_BYTE, root, comm, &request);
+        else
+            code = MPI_Iscatterv(base, sizes, displs, MPI_BYTE, one.address, n, MPI_BYTE, root, comm, &request);
+        described = tensor, shown = one.nbytes, op = NULL;
+        break;
+    }
     default: /* K_BARRIER */
         if (!is_none(a[3]))
             goto out;
@@ -2646,16 +2874,19 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
         goto out;
     int counted = count_call(w.pg) == 0; /* posted: counted on the group */
     PyObject *result = NULL;
-    int paired = kind >= K_ALL_GATHER_INTO_TENSOR && kind <= K_ALL_TO_ALL_SINGLE; /* an output and an input */
-    outputs = counted ? PyList_New(kind != K_BARRIER) : NULL;
-    inputs = outputs && paired ? PyList_New(counts != NULL ? 2 : 1) : NULL;
-    if (outputs != NULL && (inputs != NULL || !paired)) {
-        if (kind != K_BARRIER)
+    int listed = kind >= K_ALL_GATHER; /* outputs and inputs made before posting */
+    int paired = listed || (kind >= K_ALL_GATHER_INTO_TENSOR && kind <= K_ALL_TO_ALL_SINGLE); /* has inputs */
+    if (!listed && counted) {
+        outputs = PyList_New(kind != K_BARRIER);
+        inputs = outputs && paired ? PyList_New(counts != NULL ? 2 : 1) : NULL;
+        if (outputs != NULL && kind != K_BARRIER)
             PyList_SET_ITEM(outputs, 0, Py_NewRef(a[0]));
         if (inputs != NULL)
             PyList_SET_ITEM(inputs, 0, Py_NewRef(a[1]));
         if (counts != NULL && inputs != NULL)
             PyList_SET_ITEM(inputs, 1, Py_NewRef(counts));
+    }
+    if (counted && outputs != NULL && (inputs != NULL || !paired)) {
         if (described == NULL && kind != K_BARRIER)
             described = a[0], shown = one.nbytes;
         result = async_op == Py_True ? coll_handle(kind, &w, root, op, described, outputs, inputs, &request, 0)
@@ -2671,6 +2902,8 @@ lean_collective(int kind, PyObject *const *args, Py_ssize_t nargsf, PyObject *kw
     Py_DECREF(w.comm);
     return result;
 out:
+    Py_XDECREF(outputs);
+    Py_XDECREF(inputs);
     Py_XDECREF(one.keep);
     Py_XDECREF(two.keep);
     Py_XDECREF(counts);
@@ -2803,9 +3036,8 @@ static Reference ops_references[] = {
     {"post_resolved", &ref_post_resolved},
     {"byte", &mpi_byte},
     {"layouts", &layouts_dict},
-    {"pool_take", &pool_take},
-    {"pool_give", &pool_give},
-    {"host_kind", &host_kind},
+    {"pool_keep", &pool_keep_obj},
+    {"pool_keep_bytes", &pool_keep_bytes_obj},
     {"resolvers", &resolvers},
     {"resolve", &resolve},
     {"release", &release},
@@ -2831,6 +3063,9 @@ static Reference collectives_references[] = {
     {"reduce_scatter_tensor", &ref_coll[K_REDUCE_SCATTER_TENSOR]},
     {"all_to_all_single", &ref_coll[K_ALL_TO_ALL_SINGLE]},
     {"barrier", &ref_coll[K_BARRIER]},
+    {"all_gather", &ref_coll[K_ALL_GATHER]},
+    {"gather", &ref_coll[K_GATHER]},
+    {"scatter", &ref_coll[K_SCATTER]},
     {"posted", &coll_posted},
     {"recipe", &coll_recipe},
     {"stranded", &stranded},
@@ -2893,8 +3128,14 @@ setup_ops(PyObject *module, PyObject *args, PyObject *kwargs)
     tag_ub = PyLong_AsLong(tag_ub_obj);
     world_size = (int)PyLong_AsLong(world_size_obj);
     world_rank = (int)PyLong_AsLong(world_rank_obj);
+    pool_keep = PyLong_AsSsize_t(pool_keep_obj);
+    pool_keep_bytes = PyLong_AsSsize_t(pool_keep_bytes_obj);
     if (PyErr_Occurred())
         return NULL;
+    if (pool_keep < 0 || pool_keep > INT_MAX || pool_keep_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "setup_ops: the packing pool's bounds must be non-negative");
+        return NULL;
+    }
     if (!PyDict_Check(resolvers) || !PyList_CheckExact(retired) || !PyDict_Check(validate_dict) ||
         !PyDict_Check(layouts_dict) || !PyType_Check(Op_type) ||
         !PyType_IsSubtype((PyTypeObject *)Op_type, &OpBase_Type)) {
@@ -2948,6 +3189,8 @@ static PyMethodDef module_methods[] = {
      setup_collectives_doc},
     {"contract", contract, METH_NOARGS, contract_doc},
     {"counts", counts, METH_NOARGS, counts_doc},
+    {"packing_counts", packing_counts, METH_NOARGS, packing_counts_doc},
+    {"packing_trim", packing_trim, METH_NOARGS, packing_trim_doc},
     {NULL},
 };
 
@@ -3048,7 +3291,6 @@ static Name names[] = {
     {&s_oversubscribed, "oversubscribed", "settings.state"},
     {&s_dtype, "dtype", "tensors"},
     {&s_shape, "shape", "tensors"},
-    {&s_pack_min, "PACK_MIN", "memory.layouts"},
     {&s_pack_max, "PACK_MAX", "memory.layouts"},
     {&coll_what[K_ALL_REDUCE], "all_reduce", NULL},
     {&coll_what[K_BROADCAST], "broadcast", NULL},
@@ -3057,6 +3299,9 @@ static Name names[] = {
     {&coll_what[K_REDUCE_SCATTER_TENSOR], "reduce_scatter_tensor", NULL},
     {&coll_what[K_ALL_TO_ALL_SINGLE], "all_to_all_single", NULL},
     {&coll_what[K_BARRIER], "barrier", NULL},
+    {&coll_what[K_ALL_GATHER], "all_gather", NULL},
+    {&coll_what[K_GATHER], "gather", NULL},
+    {&coll_what[K_SCATTER], "scatter", NULL},
 };
 
 static PyObject *

@@ -338,17 +338,33 @@ class HostPool:
         self._keep_bytes = keep_bytes  # buffers kept for reuse hold at most this many bytes in all
         self._kept = 0
         self._lock = threading.Lock()
+        self._shared: tuple[Callable[[], tuple[int, int]], Callable[[], None]] | None = None
         self.allocated = 0
+
+    @property
+    def keep_per_size(self) -> int:
+        """At most this many buffers of a size are kept for reuse."""
+        return self._keep
+
+    @property
+    def keep_bytes(self) -> int:
+        """At most this many bytes are kept for reuse, in all."""
+        return self._keep_bytes
+
+    def share(self, counts: Callable[[], tuple[int, int]], trim: Callable[[], None]) -> None:
+        """Count the buffers another allocator keeps on this pool's terms in ``in_use`` and ``kept_bytes``, and drop
+        them in ``trim`` (the compiled engine's packing buffers: ``counts()`` gives (in use, bytes kept))."""
+        self._shared = (counts, trim)
 
     @property
     def in_use(self) -> int:
         """Buffers taken and not yet given back."""
-        return len(self._leased)
+        return len(self._leased) + (self._shared[0]()[0] if self._shared is not None else 0)
 
     @property
     def kept_bytes(self) -> int:
         """Bytes held in buffers kept for reuse."""
-        return self._kept
+        return self._kept + (self._shared[0]()[1] if self._shared is not None else 0)
 
     def kept(self, adapter: HostBuffers, nbytes: int) -> int:
         """How many buffers are kept for reuse in the size class of ``nbytes`` for ``adapter``."""
@@ -401,6 +417,8 @@ class HostPool:
         with self._lock:
             self._free.clear()
             self._kept = 0
+        if self._shared is not None:
+            self._shared[1]()
 
 
 staging_pool = HostPool()

@@ -40,9 +40,11 @@ _CACHE_LIMIT = 512
 # Strided host messages from PACK_MIN to PACK_MAX bytes are packed by numpy instead of described by a
 # derived datatype: between processes MPICH moves such messages through a datatype several times
 # slower than a numpy copy plus a contiguous send (measured with 8-byte blocks: 1.5 ms against
-# 0.37 ms at 128 KiB).  Smaller ones stay in place (the datatype is faster there), and larger ones
-# too, so that a huge strided tensor costs no second copy of itself.
-PACK_MIN = 8 << 10
+# 0.37 ms at 128 KiB), and 3 to 100 times slower from just under 8 KiB (a window of 64 sends of every
+# other float64: 0.28 of a hand-packed send's bandwidth at 8176 bytes, 0.01 at 8 KiB; packed, 0.73-0.77;
+# both alike from 4 to 6 KiB).  Smaller ones stay in place (the datatype is as fast or faster there), and
+# larger ones too, so that a huge strided tensor costs no second copy of itself.
+PACK_MIN = 4 << 10
 PACK_MAX = 16 << 20
 # Open MPI walks a byte stride of exactly -1 wrongly: opal_datatype_add takes an extent of -1 to mean "the
 # old type's own extent", so hvector(n, 1, -1) becomes n blocks running forward from element 0.  Measured

@@ -604,9 +604,8 @@ if engine.accel is not None:  # the compiled engine: these calls made lean, the 
         post_resolved=post_resolved,
         byte=MPI.BYTE,
         layouts=vars(layouts),
-        pool_take=devices.packing_pool.take,
-        pool_give=devices.packing_pool.give,
-        host_kind=devices.pageable_host,
+        pool_keep=devices.packing_pool.keep_per_size,
+        pool_keep_bytes=devices.packing_pool.keep_bytes,
         resolvers=buffers.resolvers,
         resolve=buffers.resolve,
         release=buffers.release,
@@ -623,6 +622,7 @@ if engine.accel is not None:  # the compiled engine: these calls made lean, the 
         world_size=_WORLD_SIZE,
         world_rank=MPI.COMM_WORLD.Get_rank(),
     )
+    devices.packing_pool.share(engine.accel.packing_counts, engine.accel.packing_trim)  # its packing buffers
     isend = engine.accel.isend
     irecv = engine.accel.irecv
     send = engine.accel.send
