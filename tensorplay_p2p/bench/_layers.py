@@ -15,15 +15,14 @@ work waited; ranks 0 and 1) and ``all_reduce`` (SUM, float32).  torch only: Tens
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
 
-from ._report import format_figure
-from ._timing import LATENCY_COUNTS, Loop, idle_loop, time_interleaved, timed
+from ._report import format_figure, format_rows
+from ._timing import LATENCY_COUNTS, Loop, idle_loop, slowest_medians, time_interleaved, timed
 
 __all__ = ["NULL", "Layers", "format_layers", "measure_layers"]
 
@@ -147,13 +146,9 @@ def measure_layers(sizes: Sequence[int], reps: int, scale: float) -> list[Layers
                 iterations, warmup = LATENCY_COUNTS["small" if size <= 8192 else "large"]
                 counts = max(reps, round(iterations * scale)), max(1, round(warmup * scale))
                 seconds = time_interleaved(_loops(dist, tp, torch, null, call, size, rank), *counts, reps)
-                gathered = COMM.gather(seconds, root=0)
-                if gathered is None:
+                median = slowest_medians(seconds, SERIES)
+                if median is None:
                     continue
-                median = {
-                    name: statistics.median(max(block) for block in zip(*(g[name] for g in gathered), strict=True))
-                    for name in SERIES
-                }
                 results.append(Layers(call, size, *(median[name] * 1e6 for name in SERIES)))
     finally:
         dist.destroy_process_group(null)
@@ -176,10 +171,4 @@ def format_layers(results: Sequence[Layers], markdown: bool = False) -> str:
         for r in results
     ]
     title = "torch's layer and the backend's share (median time per call, us)"
-    if markdown:
-        lines = [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"]
-        lines += [f"| {' | '.join(row)} |" for row in rows]
-        return f"### {title}\n\n" + "\n".join(lines)
-    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    text = [" ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in [header, *rows]]
-    return f"## {title}\n" + "\n".join(text)
+    return format_rows(title, header, rows, markdown)

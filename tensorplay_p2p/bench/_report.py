@@ -53,6 +53,17 @@ def format_figure(value: float) -> str:
     return f"{value:.3g}" if value < 1 else f"{value:.2f}"
 
 
+def format_rows(title: str, header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    """A titled table of ``rows`` under ``header``: Markdown (a ``###`` heading), or right-aligned text (``##``)."""
+    if markdown:
+        lines = [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"]
+        lines += [f"| {' | '.join(row)} |" for row in rows]
+        return f"### {title}\n\n" + "\n".join(lines)
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    text = [" ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in [header, *rows]]
+    return f"## {title}\n" + "\n".join(text)
+
+
 def headline(pattern: Pattern, result: Result) -> float:
     """The figure a pattern is judged by: time in us, or bandwidth in MB/s."""
     return result.bandwidth_mbps if pattern.headline == "bandwidth" else result.time_us

@@ -22,15 +22,14 @@ collectives themselves.  ``twin_step`` runs one step of a kind on all three, for
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
 
-from ._report import format_figure
-from ._timing import Loop, time_interleaved, timed
+from ._report import format_figure, format_rows
+from ._timing import Loop, slowest_medians, time_interleaved, timed
 
 __all__ = ["KINDS", "SERIES", "Steps", "format_steps", "measure_steps", "twin_step"]
 
@@ -252,14 +251,9 @@ def measure_steps(groups: dict[str, Any], reps: int, scale: float) -> list[Steps
         made = _steps(kind, groups)
         loops = [(name, Loop(timed(_repeat(made[name][0])))) for name in SERIES]
         counts = max(reps, round(COUNTS[0] * scale)), max(1, round(COUNTS[1] * scale))
-        seconds = time_interleaved(loops, *counts, reps)
-        gathered = COMM.gather(seconds, root=0)
-        if gathered is None:
+        median = slowest_medians(time_interleaved(loops, *counts, reps), SERIES)
+        if median is None:
             continue
-        median = {
-            name: statistics.median(max(block) for block in zip(*(g[name] for g in gathered), strict=True))
-            for name in SERIES
-        }
         results.append(Steps(kind, COMM.Get_size(), *(median[name] * 1e6 for name in SERIES)))
     return results
 
@@ -288,10 +282,4 @@ def format_steps(results: Sequence[Steps], markdown: bool = False) -> str:
         for r in results
     ]
     title = "training steps: torch on tp2p, on gloo, and the package's collectives called directly (us per step)"
-    if markdown:
-        lines = [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"]
-        lines += [f"| {' | '.join(row)} |" for row in rows]
-        return f"### {title}\n\n" + "\n".join(lines)
-    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    text = [" ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in [header, *rows]]
-    return f"## {title}\n" + "\n".join(text)
+    return format_rows(title, header, rows, markdown)

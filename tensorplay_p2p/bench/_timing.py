@@ -7,7 +7,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +209,18 @@ def time_interleaved(loops: list[tuple[str, Loop]], iterations: int, warmup: int
             COMM.Barrier()
             seconds[name].append(loop.iterate(per_block) / per_block)
     return seconds
+
+
+def slowest_medians(seconds: dict[str, list[float]], names: Sequence[str]) -> dict[str, float] | None:
+    """Each series' median over its blocks of the slowest rank's time (``seconds``: this rank's block times by
+    series, gathered from every rank of the world), on rank 0; None on the others."""
+    gathered = COMM.gather(seconds, root=0)
+    if gathered is None:
+        return None
+    return {
+        name: statistics.median(max(block) for block in zip(*(g[name] for g in gathered), strict=True))
+        for name in names
+    }
 
 
 def summarize(
