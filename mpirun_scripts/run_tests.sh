@@ -101,7 +101,8 @@ timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --juni
 check "job tests${label:+ ($label)}" $?
 
 examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
-"$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py")
+"$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py" \
+    "$root/examples/inverse_heat.py" "$root/examples/spatial_cnn.py")
 "$python" -c "import tensorplay" 2>/dev/null && examples+=("$root/examples/tensorplay_heat.py")
 for example in "${examples[@]}"; do
     for n in $sizes; do

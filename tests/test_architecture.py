@@ -186,7 +186,7 @@ def test_the_aliases_are_the_only_top_level_modules_besides_the_public_ones() ->
     top = {p.stem for p in PACKAGE.glob("*.py")} - set(GENERATED)  # (an in-place build of an older tree)
     assert top == public | set(ALIASES), top
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert folders == {"_src", "bench", "torch", "tensorplay"}, folders
+    assert folders == {"_src", "autograd", "bench", "torch", "tensorplay"}, folders
 
 
 def test_tests_readme_maps_every_unit_test_file() -> None:

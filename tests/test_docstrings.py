@@ -92,8 +92,13 @@ def test_every_public_function_says_its_arguments_returns_and_raises() -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("module", ["tensorplay_p2p.run", "tensorplay_p2p.bench", "tensorplay_p2p.bench.frameworks"])
+@pytest.mark.parametrize(
+    "module",
+    ["tensorplay_p2p.run", "tensorplay_p2p.bench", "tensorplay_p2p.bench.frameworks", "tensorplay_p2p.autograd"],
+)
 def test_the_public_modules_functions_say_theirs_too(module: str) -> None:
+    if module == "tensorplay_p2p.autograd":
+        pytest.importorskip("torch")
     imported = importlib.import_module(module)
     problems = []
     for name in imported.__all__:

@@ -203,6 +203,7 @@ PUBLIC_MODULES = (
     "tensorplay_p2p.bench.frameworks",
     "tensorplay_p2p.torch",
     "tensorplay_p2p.tensorplay",
+    "tensorplay_p2p.autograd",
 )
 ALIASES = {  # old path -> (a name there, the object it must be)
     "tensorplay_p2p.layouts": ("PACK_MIN", "tensorplay_p2p.config", "PACK_MIN"),

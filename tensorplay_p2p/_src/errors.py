@@ -337,6 +337,26 @@ def timeout_error(prefix: str, timeout: float, lines: tuple[str, ...]) -> Commun
     )
 
 
+def autograd_timeout(description: str, backward: bool, timeout: float, lines: tuple[str, ...]) -> CommunicationTimeout:
+    """A differentiable op's messages outlasted the ``init_process_group`` timeout: the op and its pass in the
+    program's terms, the remedy, then its ops as posted on the group's side communicator."""
+    remedy = (
+        "every member must run a backward pass that reaches this op (its output or its input), in the same order; "
+        "a member that does not differentiate runs its forward under torch.no_grad() on every member"
+        if backward
+        else "every member must call it, in the same order"
+    )
+    return timeout_error(f"{description}: a peer has not joined ({remedy}); ", timeout, lines)
+
+
+def within(description: str, exc: CommunicationError) -> CommunicationError:
+    """``exc``, raised by a wait inside a larger op (a differentiable one's messages), with its message prefixed by
+    that op in the program's terms; its type and attributes stay."""
+    first = exc.args[0] if exc.args else ""
+    exc.args = (f"{description}: {first}", *exc.args[1:])
+    return exc
+
+
 # --- groups: new_subgroups, split_group --------------------------------------------------------
 
 

@@ -42,7 +42,9 @@ by default).  Iteration counts follow OSU (``--scale 0.25`` runs a quarter of th
 ``--layers`` (torch only) measures instead where a torch call's time goes: torch on ``tp2p``, torch on a do-nothing
 backend (torch's own layer) and the package's own call, interleaved; what ``tp2p`` adds is the first minus the other
 two (``_layers``).  ``--steps`` (torch only) measures training steps instead: a DDP and an FSDP2 step on ``tp2p``, on
-gloo, and the same steps with the package's collectives called directly (``_steps``).
+gloo, and the same steps with the package's collectives called directly (``_steps``).  ``--autograd`` (torch only)
+times the differentiable halo exchange of ``tensorplay_p2p.autograd`` against the persistent one, its backward against
+its forward, a training step against a DistDL-style mpi4py Function, and memory over 10,000 steps (``_autograd``).
 
 ``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
 names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...).  For
@@ -70,7 +72,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import _layers, _steps
+from . import _autograd, _layers, _steps
 from ._config import comma_list, parse_size
 from ._report import format_figure
 from ._timing import (
@@ -173,6 +175,7 @@ class Config:
     framework: str = "torch"  # a key of FRAMEWORKS
     layers: bool = False  # instead of the benchmarks: torch's layer and the backend's share (``_layers``)
     steps: bool = False  # instead of the benchmarks: DDP and FSDP2 steps, and their twins on the package (``_steps``)
+    autograd: bool = False  # instead of the benchmarks: the differentiable halo exchange (``_autograd``)
 
 
 def sizes_between(low: int, high: int, step: int) -> tuple[int, ...]:
@@ -228,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the benchmarks (torch only): a DDP and an FSDP2 training step on tp2p, on gloo, and the same "
         "steps with the package's collectives called directly",
     )
+    add(
+        "--autograd",
+        action="store_true",
+        help="instead of the benchmarks (torch only): the differentiable halo exchange against the persistent one, "
+        "its backward against its forward, a step against a DistDL-style mpi4py Function, and memory over 10,000 "
+        "steps",
+    )
     return parser
 
 
@@ -253,8 +263,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         parser.error("--reps and --threads must be at least 1")
     if args.scale <= 0:
         parser.error("--scale must be positive")
-    if args.layers and args.steps:
-        parser.error("--layers and --steps are separate runs: give one")
+    if args.layers + args.steps + args.autograd > 1:
+        parser.error("--layers, --steps and --autograd are separate runs: give one")
     return Config(
         benchmarks=args.benchmarks,
         sizes=sizes_between(args.min_size, args.max_size, args.step),
@@ -266,6 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         framework=args.framework,
         layers=args.layers,
         steps=args.steps,
+        autograd=args.autograd,
     )
 
 
@@ -841,6 +852,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         say(f"bench.frameworks needs {framework.name} ({exc}); install it, e.g. {framework.install}")
         return 2
+    if config.autograd:
+        return _measure_autograd(config)
     if config.layers or config.steps:
         return _measure_torch_only(config)
     meta = describe_run(config, argv)
@@ -878,6 +891,18 @@ def _measure_torch_only(config: Config) -> int:
             dist.destroy_process_group()
     if COMM.Get_rank() == 0:
         print(table, flush=True)
+    return 0
+
+
+def _measure_autograd(config: Config) -> int:
+    """``--autograd``: the table of ``_autograd`` (rank 0); 2 where the framework is not torch."""
+    if config.framework != "torch":
+        say("bench.frameworks --autograd measures torch only")
+        return 2
+    results = _autograd.measure_autograd(config.reps, config.scale)
+    memory = _autograd.measure_memory(max(100, round(_autograd.MEMORY_STEPS * min(config.scale, 1.0))))
+    if COMM.Get_rank() == 0:
+        print(_autograd.format_autograd(results, memory, config.markdown), flush=True)
     return 0
 
 

@@ -104,3 +104,23 @@ def test_cupy_exchange_strided(mode: str) -> None:
     )
     expected = (cupy.arange(30 * 40, dtype=cupy.float64).reshape(30, 40) * 3 + PREV)[:, ::4]
     np.testing.assert_array_equal(cupy.asnumpy(into), cupy.asnumpy(expected))
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device through torch")
+def test_torch_cuda_differentiable_halo_exchange(mode: str) -> None:
+    """tensorplay_p2p.autograd on device tensors: the forward equals the host's, the adjoint test holds, and a
+    kernel still running on the stream when the exchange starts is waited for (no explicit synchronize)."""
+    import torch
+
+    from tensorplay_p2p import autograd as ag
+
+    cart = dist.new_cart_group((0,), True)
+    host = torch.randn(9, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    device = host.cuda()
+    device = (device * 1e3).sin_().asin_() / 1e3  # work queued on the stream before the exchange reads it
+    expected = ag.halo_exchange(device.cpu(), cart, 1).detach()
+    got = ag.halo_exchange(device, cart, 1)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.detach().cpu(), expected, rtol=0, atol=0)
+    gap = ag.adjoint_gap(lambda t: ag.halo_exchange(t, cart, 1), device)
+    assert gap <= 1e-13, gap

@@ -161,7 +161,26 @@ def test_steps_times_ddp_and_fsdp2_on_three_series() -> None:
         assert math.isclose(to_package, tp2p / package, rel_tol=0.02)
 
 
-def test_layers_and_steps_are_separate_runs() -> None:
+def test_autograd_table_prints_every_series_and_its_ratios() -> None:
+    """``--autograd`` (tiny): the differentiable halo exchange's table, each ratio the quotient of its series, and
+    the memory line."""
+    pytest.importorskip("torch")
+    done = torchbench("--autograd", "--scale", "0.01", "--reps", "2")
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("## differentiable halo exchange"), done.stdout
+    rows = [line.split() for line in lines[2:] if line.split() and "x" in line.split()[0]]
+    assert [r[0] for r in rows] == ["16x16", "128x128", "1024x1024"], done.stdout
+    for row in rows:
+        values = [float(v) for v in row[1:]]
+        ranks, forward, in_place, persistent, floor, backward, step, distdl = values[:8]
+        assert ranks == 2 and min(values[1:8]) > 0
+        ratios = values[8:]
+        expected = [forward / persistent, in_place / persistent, forward / floor, backward / forward, step / distdl]
+        assert all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(ratios, expected, strict=True)), row
+    assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
+
+
+def test_layers_steps_and_autograd_are_separate_runs() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tensorplay_p2p.bench.frameworks", "--layers", "--steps"],
         capture_output=True,
@@ -169,4 +188,4 @@ def test_layers_and_steps_are_separate_runs() -> None:
         timeout=LIMIT,
         env=dict(os.environ),
     )
-    assert done.returncode == 2 and "--layers and --steps are separate runs" in done.stderr
+    assert done.returncode == 2 and "--layers, --steps and --autograd are separate runs" in done.stderr

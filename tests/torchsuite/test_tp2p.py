@@ -433,3 +433,49 @@ def test_profiler_events_are_named_tp2p() -> None:
     assert events["tp2p:send"].input_shapes == [[3, 2]] and events["tp2p:all_reduce"].input_shapes == [[4]]
     assert not any(e.name.startswith("mpi:") for e in prof.events())  # recorded once, under the backend's name
     assert torch.equal(summed, torch.full((4,), float(SIZE))) and torch.equal(into, out)
+
+
+def test_torch_distributed_nn_functional_equals_gloo() -> None:
+    """torch's own autograd collectives (torch.distributed.nn.functional) run on tp2p: values and input gradients
+    equal gloo's."""
+    import torch.distributed.nn.functional as fn
+
+    gloo = dist.new_group(backend="gloo")
+    try:
+        results = {}
+        for name, group in (("tp2p", dist.group.WORLD), ("gloo", gloo)):
+            x = (torch.arange(6, dtype=torch.float64).reshape(2, 3) + RANK).requires_grad_(True)
+            outputs = [
+                fn.all_reduce(x * 1, group=group),
+                fn.broadcast(x * 1, src=SIZE - 1, group=group),
+                torch.stack(fn.all_gather(x, group=group)),
+                fn.reduce_scatter(torch.empty_like(x), [x * (k + 1) for k in range(SIZE)], group=group),
+                fn.all_to_all_single(torch.empty(2 * SIZE, 3, dtype=torch.float64), x.repeat(SIZE, 1), group=group),
+            ]
+            loss = sum(((o * (k + 1)) ** 2).sum() for k, o in enumerate(outputs))
+            (grad,) = torch.autograd.grad(loss, x)
+            results[name] = [o.detach() for o in outputs] + [grad]
+        for mine, theirs in zip(results["tp2p"], results["gloo"], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
+    finally:
+        dist.destroy_process_group(gloo)
+
+
+def test_package_autograd_ops_take_torch_groups() -> None:
+    """tensorplay_p2p.autograd on torch's group objects of a tp2p program: the world and a subgroup."""
+    from tensorplay_p2p import autograd as ag
+
+    x = torch.full((2,), float(RANK + 1), dtype=torch.float64, requires_grad=True)
+    y = ag.all_reduce(x, group=dist.group.WORLD)
+    received = ag.sendrecv(x, NEXT, PREV, group=dist.group.WORLD, tag=3)
+    (y.sum() + (received * (RANK + 1)).sum()).backward()
+    total = SIZE * (SIZE + 1) / 2
+    assert y.tolist() == [total] * 2 and received.tolist() == [float(PREV + 1)] * 2
+    assert x.grad.tolist() == [SIZE + NEXT + 1.0] * 2
+    evens = dist.new_group([r for r in range(SIZE) if r % 2 == 0])
+    if RANK % 2 == 0:
+        z = ag.all_reduce(torch.ones(1, dtype=torch.float64), group=evens)
+        assert z.item() == len(range(0, SIZE, 2))
+    dist.destroy_process_group(evens)
+    with pytest.raises(TypeError, match="group must be"):
+        ag.all_reduce(x, group=object())

@@ -401,6 +401,11 @@ class PersistentExchange:
     # --- life cycle ------------------------------------------------------------------------
 
     @property
+    def active(self) -> bool:
+        """Whether a step is in flight: started and not yet waited for."""
+        return self._active
+
+    @property
     def paths(self) -> tuple[str, ...]:
         """How each message travels, in the order built: "contiguous", "datatype", "packed", "device" or "staged";
         "self" for each region copied within a tensor instead of a send and a receive to this process itself."""

@@ -739,6 +739,13 @@ def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGrou
     return pg
 
 
+def duplicate(pg: ProcessGroup, name: str) -> ProcessGroup:
+    """A group of the same members over a duplicate of ``pg``'s communicator (``MPI_Comm_dup``), for the package's
+    own traffic, which then never matches the program's messages on ``pg``; collective over ``pg``'s members.  It is
+    not counted as a group of the program (``get_pg_count``), and ``destroy_process_group`` frees it with the rest."""
+    return _register(pg.live_comm(name).Dup(), name)
+
+
 def destroy_all() -> None:
     global _pg_count
     for pg in created:

@@ -1,0 +1,49 @@
+"""Each differentiable op's autograd Function, applied in the style that costs least where it runs.
+
+The ops are written once, in the style torch.func's transforms need (``forward`` without ``ctx``, and
+``setup_context``).  torch applies that style by binding ``forward``'s signature at every call (``inspect``), which
+costs more than a small exchange's own Python work.  ``twinned`` gives each such Function an ``eager`` twin in the
+``ctx``-first style, which torch applies directly, with the same forward, backward and forward-mode rule; ``apply``
+calls the twin, or the Function itself under a torch.func transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["apply", "twinned"]
+
+F = TypeVar("F", bound=type)
+
+
+def twinned(cls: F) -> F:
+    """Give ``cls`` (a ``setup_context``-style autograd Function) its ``ctx``-first twin, as ``cls.eager``."""
+    forward, setup_context = cls.forward, cls.setup_context  # type: ignore[attr-defined]
+    backward, jvp = cls.backward, cls.jvp  # type: ignore[attr-defined]
+
+    def eager_forward(ctx: Any, *args: Any) -> Any:
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    twin = type(
+        f"{cls.__name__}Eager",
+        (torch.autograd.Function,),
+        {
+            "__doc__": cls.__doc__,
+            "forward": staticmethod(eager_forward),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+        },
+    )
+    cls.eager = twin  # type: ignore[attr-defined]
+    return cls
+
+
+def apply(cls: Any, *args: Any) -> Any:
+    """``cls.apply(*args)``, through its eager twin unless a torch.func transform is active."""
+    if torch._C._are_functorch_transforms_active():
+        return cls.apply(*args)
+    return cls.eager.apply(*args)

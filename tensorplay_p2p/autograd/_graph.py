@@ -1,0 +1,76 @@
+"""Every member takes part in every backward exchange.
+
+A differentiable op's backward sends and receives: its peers' backward waits for this member's.  Two things make sure
+that a member's backward joins, whatever its own inputs and loss:
+
+- ``anchor()``: a leaf that requires a gradient, passed to every differentiable op in grad mode.  The op's output then
+  requires a gradient on every member, so that a member whose own input needs none (mixed ``requires_grad``) still runs
+  the op's backward, sending its zeros, when its backward reaches the output.
+- ``guard``: where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
+  send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
+  outputs, and adds what it receives into the input's gradient.  So a dropped send is never pruned: its gradient is
+  received.  The hook lives as long as the op's node.
+
+A member whose backward reaches neither leaves its peers waiting: their wait's timeout names the message.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["Duty", "anchor", "guard", "ran"]
+
+_anchor: Any = None
+
+
+def anchor() -> Any:
+    """The leaf every differentiable op takes as its last input in grad mode; it never receives a gradient."""
+    global _anchor
+    if _anchor is None:
+        _anchor = torch.zeros((), requires_grad=True)
+    return _anchor
+
+
+class Duty:
+    """What an op's backward owes its peers: how many of this member's backward passes ran its node (``ran``), and
+    how to run it with zero output gradients (``substitute``, which returns the gradient of the guarded input)."""
+
+    __slots__ = ("__weakref__", "ran", "substitute")
+
+    def __init__(self, substitute: Callable[[], Any]) -> None:
+        self.ran = 0
+        self.substitute = substitute
+
+
+def guard(node: Any, tensor: Any, substitute: Callable[[], Any]) -> None:
+    """Make the backward of ``node`` (an op's output's ``grad_fn``) run once per backward pass that reaches ``tensor``,
+    its input: by ``node`` itself, or by the hook on ``tensor`` with ``substitute``."""
+    if node is None or not getattr(tensor, "requires_grad", False) or torch._C._are_functorch_transforms_active():
+        return
+    duty = Duty(substitute)
+    node.duty = duty
+    ref = weakref.ref(duty)
+
+    def hook(grad: Any) -> Any:
+        owed = ref()
+        if owed is None:
+            return None
+        if owed.ran:
+            owed.ran -= 1  # the node ran in this pass
+            return None
+        received = owed.substitute()
+        return grad if received is None else grad + received
+
+    handle = tensor.register_hook(hook)
+    weakref.finalize(duty, handle.remove)
+
+
+def ran(ctx: Any) -> None:
+    """Called by a guarded node's backward: this pass ran it."""
+    duty = getattr(ctx, "duty", None)
+    if duty is not None:
+        duty.ran += 1

@@ -1,0 +1,574 @@
+"""The differentiable halo exchange: forward fills each ghost region from the neighbour that owns it; backward is its
+exact adjoint.
+
+A tensor's first ``len(group.dims)`` dimensions are decomposed over the grid, each with ``lo`` ghost layers below its
+interior and ``hi`` above.  A message travelling in direction ``o`` (a vector in {-1, 0, 1}^d) carries the interior
+layers next to side ``o`` and fills the neighbour's ghost region on side ``-o``.  As a linear map H: every ghost cell
+that has an owner becomes a copy of the owner's interior cell; every other cell (interior, and ghosts past a
+non-periodic edge) is kept.  Its adjoint H*: every such ghost cell's value is sent to its owner and added into the
+owner's interior cell, and the ghost becomes zero; the other cells are kept.
+
+Both passes gather the cells they send into one contiguous buffer with one ``index_select`` and scatter what they
+receive with one ``index_copy_`` (forward) or ``index_add_`` (backward), on whatever device the tensor is; the
+messages are the package's own point-to-point calls on those buffers (zero-copy, staged from a device where MPI is
+not CUDA-aware).  A plan holds the index maps and the buffers per shape, dtype and device, built once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from .._src.p2p.ops import P2POp, irecv, isend
+from .._src.persistent.cart import CartGroup
+from .._src.persistent.plan import P2PPlan
+from .._src.process.groups import to_int
+from . import _graph
+from ._function import apply, twinned
+from ._side import Side, complete, side
+
+__all__ = ["HaloRequest", "Plan", "halo_exchange", "halo_exchange_", "halo_exchange_start", "plan_for", "widths_of"]
+
+Widths = tuple[tuple[int, int], ...]
+
+
+def widths_of(halo: Any, ndim: int, what: str) -> Widths:
+    """``halo`` as ``(lo, hi)`` per grid dimension; given as one ``int``, or per dimension an ``int`` or a pair."""
+    if isinstance(halo, Sequence) and not isinstance(halo, (str, bytes)):
+        if len(halo) != ndim:
+            raise ValueError(f"{what}: halo has {len(halo)} entries but the grid has {ndim} dimensions")
+        pairs = []
+        for entry in halo:
+            if isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)):
+                if len(entry) != 2:
+                    raise ValueError(f"{what}: a halo entry must be an int or a (lo, hi) pair, not {tuple(entry)}")
+                pairs.append((to_int(entry[0], "halo lo"), to_int(entry[1], "halo hi")))
+            else:
+                h = to_int(entry, "halo entry")
+                pairs.append((h, h))
+        widths = tuple(pairs)
+    else:
+        h = to_int(halo, "halo")
+        widths = ((h, h),) * ndim
+    if any(w < 0 for pair in widths for w in pair):
+        raise ValueError(f"{what}: halo widths {widths} must not be negative")
+    return widths
+
+
+def _span(extent: int, lo: int, hi: int, side_: int, ghost: bool) -> slice:
+    """Along one dimension: the ghost layers on ``side_``, the interior layers sent toward it, or (0) the interior."""
+    if side_ == 0:
+        return slice(lo, extent - hi)
+    if ghost:
+        return slice(0, lo) if side_ < 0 else slice(extent - hi, extent)
+    # sent toward side_: they fill the neighbour's ghost layers on the other side (hi thick below, lo thick above)
+    return slice(lo, lo + hi) if side_ < 0 else slice(extent - hi - lo, extent - hi)
+
+
+def _directions(widths: Widths, corners: bool) -> list[tuple[int, ...]]:
+    """The directions of travel, the same on every member: the faces (or every neighbour, with corners) whose message
+    is not empty (travelling up fills ghost layers ``lo`` thick, travelling down ``hi`` thick)."""
+    ndim = len(widths)
+    if corners:
+        offsets = [o for o in itertools.product((-1, 0, 1), repeat=ndim) if any(o)]
+    else:
+        offsets = [tuple(s if i == d else 0 for i in range(ndim)) for d in range(ndim) for s in (-1, 1)]
+    return [o for o in offsets if all(widths[d][0 if o[d] > 0 else 1] for d in range(ndim) if o[d])]
+
+
+SLOTS = 4  # message sets per plan: exchanges of one shape that may be in flight at once, and the tags' cycle
+
+
+class _Pass:
+    """One pass (forward or backward) of one slot of a plan: its buffers, ``slabs`` (what the forward sends, and the
+    backward receives) and ``ghosts`` (what the forward receives, and the backward sends), and its persistent
+    requests over them (a ``P2PPlan``; None where the pass has no message)."""
+
+    __slots__ = ("busy", "exchange", "ghost_self", "ghosts", "slab_self", "slabs")
+
+    def __init__(self, plan: Plan, slot: int, backward: bool) -> None:
+        whole = torch.empty(plan.slab_count + plan.ghost_count, dtype=plan.dtype, device=plan.device)
+        self.slabs = whole[: plan.slab_count]
+        self.ghosts = whole[plan.slab_count :]
+        self.slab_self = self.slabs[plan.slab_count - plan.self_count :]
+        self.ghost_self = self.ghosts[plan.ghost_count - plan.self_count :]
+        slab_parts = [self.slabs[a:b] for a, b in plan.send_spans]
+        ghost_parts = [self.ghosts[a:b] for a, b in plan.receive_spans]
+        pg, tag = plan.side.group, plan.side.halo_tag
+        # forward: slabs to ``to``, ghosts from ``source``; backward: each message reversed
+        outgoing = [(t, peer, k) for t, (k, peer) in zip(slab_parts, plan.sends, strict=True)]
+        incoming = [(t, peer, k) for t, (k, peer) in zip(ghost_parts, plan.receives, strict=True)]
+        if backward:
+            outgoing, incoming = (
+                [(t, peer, k) for t, (k, peer) in zip(ghost_parts, plan.receives, strict=True)],
+                [(t, peer, k) for t, (k, peer) in zip(slab_parts, plan.sends, strict=True)],
+            )
+        ops = [P2POp(irecv, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in incoming]
+        ops += [P2POp(isend, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in outgoing]
+        self.exchange = P2PPlan(ops) if ops else None
+        self.busy = False  # started and not yet ended: its buffers hold a call's cells
+
+
+class Pending:
+    """A pass of a plan in flight: the pass, and the call it is of."""
+
+    __slots__ = ("call", "part")
+
+    def __init__(self, part: _Pass, call: int) -> None:
+        self.part, self.call = part, call
+
+
+class Plan:
+    """The halo exchange of one shape, dtype and device on one grid: index maps, peers, and ``SLOTS`` sets of
+    buffers and persistent requests, call ``n`` taking set ``n % SLOTS``, made at first use."""
+
+    def __init__(
+        self, group: CartGroup, shape: tuple[int, ...], dtype: Any, device: Any, widths: Widths, corners: bool
+    ):
+        what = "halo_exchange"
+        ndim = len(group.dims)
+        if len(shape) < ndim:
+            raise ValueError(f"{what}: the tensor has {len(shape)} dimensions; the grid needs at least {ndim}")
+        for d, (lo, hi) in enumerate(widths):
+            interior = shape[d] - lo - hi
+            if interior < max(lo, hi) and (lo or hi):
+                raise ValueError(
+                    f"{what}: dimension {d} has {shape[d]} entries: {lo} + {hi} ghost layers leave an interior of "
+                    f"{interior}, thinner than the widest ghost region ({max(lo, hi)}) it must fill; the ghost width "
+                    f"is larger than the block"
+                )
+        self.group = group
+        self.side: Side = side(group, what)
+        self.shape, self.dtype, self.device, self.widths, self.corners = shape, dtype, device, widths, corners
+        me = group.rank()
+        cells = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
+
+        def region(o: tuple[int, ...], ghost: bool) -> Any:
+            spans = tuple(_span(shape[d], *widths[d], o[d], ghost) for d in range(ndim))
+            return cells[spans].reshape(-1)
+
+        sends: list[tuple[int, int, Any]] = []
+        receives: list[tuple[int, int, Any]] = []
+        selfs: list[tuple[Any, Any]] = []
+        for k, o in enumerate(_directions(widths, corners)):
+            to, source = group.neighbor(o), group.neighbor(tuple(-x for x in o))
+            slab, ghost = region(o, False), region(tuple(-x for x in o), True)
+            if to == source == me:
+                selfs.append((slab, ghost))  # its own neighbour: copied, not sent
+                continue
+            if to != MPI.PROC_NULL:
+                sends.append((k, to, slab))
+            if source != MPI.PROC_NULL:
+                receives.append((k, source, ghost))
+        empty = torch.empty(0, dtype=torch.int64)
+        slab_index = torch.cat([s for _, _, s in sends] + [s for s, _ in selfs] + [empty])
+        ghost_index = torch.cat([g for _, _, g in receives] + [g for _, g in selfs] + [empty])
+        self.slab_index = slab_index.to(device)
+        self.ghost_index = ghost_index.to(device)
+        self.slab_count, self.ghost_count = slab_index.numel(), ghost_index.numel()
+        self.self_count = sum(s.numel() for s, _ in selfs)
+        self.sends = [(k, peer) for k, peer, _ in sends]
+        self.receives = [(k, peer) for k, peer, _ in receives]
+        self.send_spans = _spans([s.numel() for _, _, s in sends])
+        self.receive_spans = _spans([g.numel() for _, _, g in receives])
+        self.messages = len(sends) + len(receives)
+        self._passes: dict[tuple[int, bool], _Pass] = {}
+        self._lock = threading.Lock()
+
+    def message_sets(self) -> int:
+        """How many sets of buffers and persistent requests the plan has made: one per slot and pass used, at most
+        ``2 * SLOTS``, then reused for good."""
+        return len(self._passes)
+
+    def _pass(self, call: int, backward: bool) -> _Pass:
+        key = (call % SLOTS, backward)
+        part = self._passes.get(key)
+        if part is None:
+            with self._lock:
+                part = self._passes.get(key)
+                if part is None:
+                    part = self._passes[key] = _Pass(self, key[0], backward)
+        if part.busy:
+            raise RuntimeError(
+                f"halo_exchange: {SLOTS} exchanges of shape {self.shape} on {self.group.describe()} are in flight "
+                f"already (started, not yet waited for); wait for one first"
+            )
+        return part
+
+    def start_fill(self, flat: Any, call: int) -> Pending:
+        """H's messages posted: ``flat``'s interior layers sent (read now), the ghosts' values on their way."""
+        part = self._pass(call, False)
+        torch.index_select(flat, 0, self.slab_index, out=part.slabs)
+        if self.self_count:
+            part.ghost_self.copy_(part.slab_self)
+        if part.exchange is not None:
+            part.exchange.start()
+        part.busy = True
+        return Pending(part, call)
+
+    def end_fill(self, flat: Any, pending: Pending) -> None:
+        """H completed: the ghosts' values received and written into ``flat``'s ghost cells."""
+        part = pending.part
+        try:
+            if part.exchange is not None:
+                complete(part.exchange, lambda: self.describe(pending.call, False), False)
+        finally:  # a step that failed is over; one that timed out is still in flight
+            part.busy = part.exchange is not None and part.exchange.active
+        flat.index_copy_(0, self.ghost_index, part.ghosts)
+
+    def start_add_back(self, flat: Any, call: int) -> Pending:
+        """H*'s messages posted: each ghost's value sent back to the process that filled it, the ghost set to zero."""
+        part = self._pass(call, True)
+        torch.index_select(flat, 0, self.ghost_index, out=part.ghosts)
+        flat.index_fill_(0, self.ghost_index, 0)
+        if self.self_count:
+            part.slab_self.copy_(part.ghost_self)
+        if part.exchange is not None:
+            part.exchange.start()
+        part.busy = True
+        return Pending(part, call)
+
+    def end_add_back(self, flat: Any, pending: Pending) -> None:
+        """H* completed: what came back added into ``flat``'s interior cells that were sent."""
+        part = pending.part
+        try:
+            if part.exchange is not None:
+                complete(part.exchange, lambda: self.describe(pending.call, True), True)
+        finally:  # a step that failed is over; one that timed out is still in flight
+            part.busy = part.exchange is not None and part.exchange.active
+        flat.index_add_(0, self.slab_index, part.slabs)
+
+    def describe(self, call: int, backward: bool) -> str:
+        """The pass of exchange number ``call`` in the program's terms, for an error."""
+        peers = sorted({self.group.global_rank(p) for _, p in self.sends + self.receives})
+        return (
+            f"the {'backward' if backward else 'forward'} pass of halo_exchange number {call} on "
+            f"{self.group.describe()} (shape {self.shape}, {self.dtype}, halo {self.widths}; neighbours: global ranks "
+            f"{', '.join(map(str, peers))})"
+        )
+
+    def fill(self, flat: Any, call: int) -> None:
+        """H, in place on ``flat`` (the tensor's cells, contiguous)."""
+        self.end_fill(flat, self.start_fill(flat, call))
+
+    def add_back(self, flat: Any, call: int) -> None:
+        """H*, in place on ``flat``: the ghosts' values are added into their owners' cells and become zero."""
+        self.end_add_back(flat, self.start_add_back(flat, call))
+
+    def applied(self, x: Any, call: int, adjoint: bool) -> Any:
+        """H x (or H* x) as a new contiguous tensor."""
+        out = x.clone(memory_format=torch.contiguous_format)
+        with torch._C._DisableFuncTorch():  # the plan's buffers are no program's tensors: no transform sees them
+            (self.add_back if adjoint else self.fill)(out.view(-1), call)
+        return out
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(sizes))
+    return [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+
+
+def _not_compiled(x: Any, group: CartGroup, halo: Any, corners: bool) -> Any:
+    raise RuntimeError("halo_exchange under torch.compile needs tensorplay_p2p.autograd imported")
+
+
+compiled = _not_compiled  # the custom op's caller, set by ``_compiled`` when it is imported
+
+
+_plans: weakref.WeakKeyDictionary[CartGroup, dict[tuple[Any, ...], Plan]] = weakref.WeakKeyDictionary()
+_KEEP = 64  # plans kept per group; the oldest goes first
+
+
+def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
+    """The plan for ``x``'s shape, dtype and device on ``group``, built at first use."""
+    if not isinstance(group, CartGroup):
+        raise TypeError(f"{what} needs a CartGroup (see new_cart_group), not {type(group).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: the tensor must be a torch.Tensor, not {type(x).__name__}")
+    widths = widths_of(halo, len(group.dims), what)
+    key = (tuple(x.shape), x.dtype, x.device, widths, bool(corners))
+    plans = _plans.setdefault(group, {})
+    plan = plans.get(key)
+    if plan is None or plan.side.group.communicator is None:
+        plan = Plan(group, key[0], x.dtype, x.device, widths, bool(corners))
+        if len(plans) >= _KEEP:
+            del plans[next(iter(plans))]
+        plans[key] = plan
+    return plan
+
+
+def number(plan: Plan) -> int:
+    """The next call number of ``plan``'s group: every member numbers its halo exchanges alike."""
+    with plan.side.lock:
+        call = plan.side.halo_calls
+        plan.side.halo_calls = call + 1
+    return call
+
+
+@twinned
+class _Fill(torch.autograd.Function):
+    """y = H x."""
+
+    @staticmethod
+    def forward(x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
+        return plan.applied(x, call, adjoint=False)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.plan, ctx.call, ctx.extra = inputs[1], inputs[2], len(inputs) - 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        _graph.ran(ctx)
+        return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
+        return ctx.plan.applied(tangent, ctx.call, adjoint=False)
+
+
+@twinned
+class _AddBack(torch.autograd.Function):
+    """x̄ = H* ȳ: the backward of ``_Fill``, differentiable in turn (its adjoint is H)."""
+
+    @staticmethod
+    def forward(grad: Any, plan: Plan, call: int) -> Any:
+        return plan.applied(grad, call, adjoint=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.plan, ctx.call = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return apply(_Fill, grad, ctx.plan, ctx.call), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
+        return ctx.plan.applied(tangent, ctx.call, adjoint=True)
+
+
+@twinned
+class _FillInPlace(torch.autograd.Function):
+    """x ← H x, in place (autograd's version counter moves on)."""
+
+    @staticmethod
+    def forward(x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
+        if x.is_contiguous():
+            plan.fill(x.view(-1), call)
+        else:
+            x.copy_(plan.applied(x, call, adjoint=False))
+        return x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.mark_dirty(inputs[0])
+        ctx.plan, ctx.call, ctx.extra = inputs[1], inputs[2], len(inputs) - 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        _graph.ran(ctx)
+        return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
+        if tangent.is_contiguous():
+            ctx.plan.fill(tangent.view(-1), ctx.call)
+        else:
+            tangent.copy_(ctx.plan.applied(tangent, ctx.call, adjoint=False))
+        return tangent
+
+
+def _anchored(x: Any) -> tuple[Any, ...]:
+    differentiable = x.dtype.is_floating_point or x.dtype.is_complex
+    return (_graph.anchor(),) if torch.is_grad_enabled() and differentiable else ()
+
+
+def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:
+    """Fill ``x``'s ghost layers from the grid neighbours that own them, differentiably; a new tensor.
+
+    The first ``len(group.dims)`` dimensions of ``x`` are decomposed over the grid of ``group``; trailing dimensions
+    (channels, components) travel along.  The result equals ``x`` but in the ghost regions that have an owner, which
+    hold a copy of the owner's interior cells; ghosts past a non-periodic edge keep ``x``'s values (set them to your
+    boundary condition).  Its backward is the exact adjoint: each ghost region's gradient is sent to its owner and
+    added into the matching interior cells, and the ghosts' own gradient is zero.
+
+    Collective over ``group``: every member calls it, in the same order, with the same ``halo`` and ``corners``.
+
+    Args:
+        x: a ``torch.Tensor`` (any dtype, layout and device the package sends), ghost layers included.
+        group: the ``CartGroup`` whose grid ``x`` is decomposed over.
+        halo: the ghost layers: an ``int`` for every side, one per grid dimension, or a ``(lo, hi)`` pair per
+            dimension (``lo`` layers below the interior, ``hi`` above).
+        corners: ``True`` fills edge and corner ghosts from the diagonal neighbours too (9- and 27-point stencils).
+
+    Returns:
+        A new contiguous tensor of ``x``'s shape, dtype and device.
+
+    Raises:
+        TypeError: ``group`` is not a ``CartGroup``; ``x`` is not a ``torch.Tensor``.
+        ValueError: bad ``halo``; ``x`` has fewer dimensions than the grid; an interior thinner than the widest
+            ghost region it fills (the ghost width is larger than the block).
+    """
+    if torch.compiler.is_compiling():
+        return compiled(x, group, halo, corners)
+    plan = plan_for(x, group, halo, corners, "halo_exchange")
+    call = number(plan)
+    y = apply(_Fill, x, plan, call, *_anchored(x))
+    _graph.guard(y.grad_fn, x, lambda: _substitute(plan, call))
+    return y
+
+
+def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:
+    """``halo_exchange`` in place: fills ``x``'s ghost layers and returns ``x``; the adjoint is the same.
+
+    For memory-bound codes. Autograd sees an in-place op: ``x`` must not be a leaf that requires a gradient, and
+    a tensor saved for backward before it raises autograd's error at backward instead of giving a wrong gradient.
+
+    Args:
+        x: the tensor, ghost layers included; written in place.
+        group: the ``CartGroup`` whose grid ``x`` is decomposed over.
+        halo: the ghost layers, as ``halo_exchange``'s.
+        corners: ``True`` fills edge and corner ghosts too.
+
+    Returns:
+        ``x``.
+
+    Raises:
+        TypeError, ValueError: as ``halo_exchange``; RuntimeError: ``x`` is a leaf that requires a gradient.
+    """
+    plan = plan_for(x, group, halo, corners, "halo_exchange_")
+    call = number(plan)
+    return apply(_FillInPlace, x, plan, call, *_anchored(x))
+
+
+def _substitute(plan: Plan, call: int) -> Any:
+    """The backward of call ``call`` with a zero output gradient: what it receives, as the input's gradient."""
+    return plan.applied(torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device), call, adjoint=True)
+
+
+class _Flight:
+    """What a started exchange's two nodes share: its forward pass in flight, then its backward pass in flight."""
+
+    __slots__ = ("backward", "forward")
+
+    def __init__(self) -> None:
+        self.forward: Pending | None = None
+        self.backward: Pending | None = None
+
+
+@twinned
+class _Start(torch.autograd.Function):
+    """Posts H's messages (``x``'s interior layers read now); its output is an empty token for ``_Finish``.  In the
+    backward pass it runs last of the two: it waits for H*'s messages that ``_Finish``'s backward posted, and returns
+    what came back as the gradient of ``x``'s interior cells."""
+
+    @staticmethod
+    def forward(x: Any, plan: Plan, call: int, flight: _Flight, *anchor: Any) -> Any:
+        flight.forward = plan.start_fill(x.contiguous().view(-1), call)
+        return x.new_empty(0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.plan, ctx.call, ctx.flight, ctx.extra = inputs[1], inputs[2], inputs[3], len(inputs) - 1
+
+    @staticmethod
+    def backward(ctx: Any, token: Any) -> Any:
+        pending, ctx.flight.backward = ctx.flight.backward, None
+        if pending is None:  # the finish's backward did the whole adjoint (a second-order pass)
+            return (None, *([None] * ctx.extra))
+        plan = ctx.plan
+        grad = torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device)
+        plan.end_add_back(grad.view(-1), pending)
+        return (grad, *([None] * ctx.extra))
+
+    @staticmethod
+    def jvp(ctx: Any, *_: Any) -> Any:
+        return None
+
+
+@twinned
+class _Finish(torch.autograd.Function):
+    """y = H x, the messages ``_Start`` posted completed.  Backward posts H*'s messages and returns the gradient's
+    local part (its ghosts zeroed) at once; ``_Start``'s backward adds what comes back, later, so that the backward
+    of whatever the program computed between the two overlaps the messages."""
+
+    @staticmethod
+    def forward(x: Any, token: Any, plan: Plan, call: int, flight: _Flight) -> Any:
+        y = x.clone(memory_format=torch.contiguous_format)
+        pending, flight.forward = flight.forward, None
+        if pending is None:
+            raise RuntimeError("HaloRequest.wait: this exchange was already completed")
+        plan.end_fill(y.view(-1), pending)
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.plan, ctx.call, ctx.flight = inputs[2], inputs[3], inputs[4]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        _graph.ran(ctx)
+        if torch.is_grad_enabled():  # create_graph: the adjoint whole, differentiable, and nothing left to _Start
+            return apply(_AddBack, grad, ctx.plan, ctx.call), None, None, None, None
+        local = grad.clone(memory_format=torch.contiguous_format)
+        ctx.flight.backward = ctx.plan.start_add_back(local.view(-1), ctx.call)
+        return local, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
+        return ctx.plan.applied(tangent, ctx.call, adjoint=False)
+
+
+class HaloRequest:
+    """A differentiable halo exchange in flight, from ``halo_exchange_start``: ``wait()`` returns its result."""
+
+    __slots__ = ("_call", "_flight", "_plan", "_token", "_x")
+
+    def __init__(self, x: Any, plan: Plan, call: int, flight: _Flight, token: Any) -> None:
+        self._x, self._plan, self._call, self._flight, self._token = x, plan, call, flight, token
+
+    def wait(self) -> Any:
+        """Complete the exchange; once only.
+
+        Returns:
+            ``halo_exchange(x)``'s result, a new tensor.
+
+        Raises:
+            RuntimeError: it was already completed.
+        """
+        return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight)
+
+
+def halo_exchange_start(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> HaloRequest:
+    """Start ``halo_exchange(x, group, halo, corners)``: post its messages and return; ``wait()`` completes it.
+
+    Between the two, compute what needs no ghost cell (a stencil's interior update, reading ``x``): it overlaps the
+    messages.  The backward overlaps the same way: the result's backward posts the adjoint's messages, and the
+    gradients of what was computed between the two are computed while they travel; the start's backward adds what
+    came back.  ``x``'s interior layers are read at the start: do not write ``x`` before ``wait()``.
+
+    Args:
+        x: the tensor, ghost layers included.
+        group: the ``CartGroup`` whose grid ``x`` is decomposed over.
+        halo: the ghost layers, as ``halo_exchange``'s.
+        corners: ``True`` fills edge and corner ghosts too.
+
+    Returns:
+        A ``HaloRequest``: its ``wait()`` returns the result, a new tensor.
+
+    Raises:
+        TypeError, ValueError: as ``halo_exchange``.
+    """
+    plan = plan_for(x, group, halo, corners, "halo_exchange_start")
+    call = number(plan)
+    flight = _Flight()
+    token = apply(_Start, x, plan, call, flight, *_anchored(x))
+    return HaloRequest(x, plan, call, flight, token)

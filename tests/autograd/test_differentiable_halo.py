@@ -1,0 +1,341 @@
+"""The differentiable halo exchange: every cell of the forward against the global field, the adjoint by the
+dot-product test, the in-place and split forms, every dtype, and bad input.
+
+Blocks are uneven (a block's extent depends on its coordinate), halo widths asymmetric and up to 2, corners on and
+off, on 1-, 2- and 3-D grids, periodic and not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from world import RANK, SIZE
+
+import tensorplay_p2p as dist
+
+torch = pytest.importorskip("torch")
+from tensorplay_p2p import autograd as ag  # noqa: E402
+from tensorplay_p2p.autograd import _halo  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+MARK = -1.0  # the input's ghost values: kept past a non-periodic edge, overwritten everywhere else
+CHANNELS = 2  # a trailing dimension that travels along
+
+# (grid dims, periods, halo, corners)
+GRIDS = [
+    ((0,), True, 1, False),
+    ((0,), False, ((2, 1),), False),
+    ((0, 0), False, 1, True),
+    ((0, 0), (True, False), ((1, 2), (2, 1)), True),
+    ((0, 0), True, (2, 0), False),
+    ((0, 0, 0), True, 1, True),
+    ((0, 0, 0), (False, True, False), ((0, 1), 1, (2, 1)), True),
+]
+
+
+def _ids(grid: tuple[object, ...]) -> str:
+    dims, periods, halo, corners = grid
+    return f"{len(dims)}d-p{periods}-h{halo}-{'corners' if corners else 'faces'}".replace(" ", "")
+
+
+class Block:
+    """This rank's block of a global field: extents that differ per coordinate, and the expected exchange."""
+
+    def __init__(self, cart: dist.CartGroup, halo: object, corners: bool) -> None:
+        self.cart, self.corners = cart, corners
+        self.widths = _halo.widths_of(halo, len(cart.dims), "test")
+        # interior extent along d at coordinate c: at least the widest ghost region, and uneven
+        self.extents = [
+            [max(2, lo, hi) + 1 + (c % 2) for c in range(n)] for n, (lo, hi) in zip(cart.dims, self.widths, strict=True)
+        ]
+        self.global_shape = tuple(sum(e) for e in self.extents)
+        self.offset = tuple(sum(e[:c]) for e, c in zip(self.extents, cart.coords, strict=True))
+        self.interior = tuple(e[c] for e, c in zip(self.extents, cart.coords, strict=True))
+        self.shape = (
+            *(n + lo + hi for n, (lo, hi) in zip(self.interior, self.widths, strict=True)),
+            CHANNELS,
+        )
+
+    @staticmethod
+    def value(g: tuple[int, ...], channel: int, shape: tuple[int, ...]) -> float:
+        """A small exact value per global cell (exact in bfloat16 too)."""
+        return float((int(np.ravel_multi_index(g, shape)) * 7 + channel * 3) % 251 + 1)
+
+    def _global(self, local: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
+        """The global cell a local cell stands for (None past a non-periodic edge), and in how many dimensions
+        it is a ghost."""
+        g, ghost = [], 0
+        for d, i in enumerate(local):
+            lo, _ = self.widths[d]
+            x = self.offset[d] + i - lo
+            if not lo <= i < lo + self.interior[d]:
+                ghost += 1
+            if self.cart.periods[d]:
+                x %= self.global_shape[d]
+            elif not 0 <= x < self.global_shape[d]:
+                return None, ghost
+            g.append(x)
+        return tuple(g), ghost
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(input, expected output) as float64 arrays."""
+        x = np.full(self.shape, MARK)
+        want = np.full(self.shape, MARK)
+        for local in itertools.product(*(range(n) for n in self.shape[:-1])):
+            g, ghost = self._global(local)
+            for c in range(CHANNELS):
+                if g is not None and ghost == 0:
+                    x[(*local, c)] = want[(*local, c)] = self.value(g, c, self.global_shape)
+                elif g is not None and (ghost == 1 or self.corners):
+                    want[(*local, c)] = self.value(g, c, self.global_shape)
+        return x, want
+
+
+def _cart(dims: tuple[int, ...], periods: object) -> dist.CartGroup:
+    return dist.new_cart_group(dims, periods)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=_ids)
+def test_forward_fills_every_owned_ghost_and_keeps_the_rest(grid: tuple[object, ...]) -> None:
+    dims, periods, halo, corners = grid
+    cart = _cart(dims, periods)
+    block = Block(cart, halo, corners)
+    x, want = block.arrays()
+    y = ag.halo_exchange(torch.from_numpy(x), cart, halo, corners)
+    np.testing.assert_array_equal(y.detach().numpy(), want)
+    np.testing.assert_array_equal(x, block.arrays()[0])  # out of place: the input is untouched
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=_ids)
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float64, 1e-13), (torch.float32, 1e-5)], ids=["f64", "f32"])
+def test_adjoint(grid: tuple[object, ...], dtype: torch.dtype, bound: float) -> None:
+    dims, periods, halo, corners = grid
+    cart = _cart(dims, periods)
+    block = Block(cart, halo, corners)
+    x = torch.randn(block.shape, dtype=dtype, generator=torch.Generator().manual_seed(RANK))
+    gap = ag.adjoint_gap(lambda t: ag.halo_exchange(t, cart, halo, corners), x, seed=3)
+    assert gap <= bound, gap
+
+
+def test_backward_adds_each_ghost_gradient_into_its_owner() -> None:
+    """The adjoint cell by cell on a periodic ring: a ghost's gradient lands in the owner's cell, the ghost's is 0."""
+    cart = _cart((0,), True)
+    x = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    y = ag.halo_exchange(x, cart, 1)
+    v = torch.tensor([10.0, 1.0, 2.0, 3.0, 20.0], dtype=torch.float64) * (RANK + 1)
+    y.backward(v)
+    left, right = (RANK - 1) % SIZE + 1, (RANK + 1) % SIZE + 1  # the neighbours' scale factors
+    # my cell 1 filled the left neighbour's high ghost (its v[4] = 20 * left); my cell 3 the right's low ghost
+    want = [0.0, 1.0 * (RANK + 1) + 20.0 * left, 2.0 * (RANK + 1), 3.0 * (RANK + 1) + 10.0 * right, 0.0]
+    np.testing.assert_allclose(x.grad.numpy(), want)  # type: ignore[union-attr]
+
+
+def test_matches_the_persistent_halo_exchange() -> None:
+    cart = _cart((0, 0), (True, False))
+    x = torch.randn(6, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    reference = x.clone()
+    with dist.HaloExchange(reference, cart, halo=1, corners=True) as plan:
+        plan.exchange()
+    assert torch.equal(ag.halo_exchange(x, cart, 1, corners=True), reference)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+)
+def test_every_dtype(dtype: torch.dtype) -> None:
+    cart = _cart((0, 0), (True, False))
+    block = Block(cart, 1, True)
+    x, want = block.arrays()
+    if dtype.is_complex:
+        y = ag.halo_exchange(torch.from_numpy(x + 1j * x).to(dtype), cart, 1, True)
+        np.testing.assert_array_equal(y.detach().to(torch.complex128).numpy(), want + 1j * want)
+    else:
+        y = ag.halo_exchange(torch.from_numpy(x).to(dtype), cart, 1, True)
+        np.testing.assert_array_equal(y.detach().to(torch.float64).numpy(), want)
+    assert y.dtype == dtype
+    xs = torch.from_numpy(x).to(dtype).requires_grad_(True)
+    loss = ag.halo_exchange(xs, cart, 1, True).sum()
+    (loss.real if dtype.is_complex else loss).backward()
+    assert xs.grad is not None and xs.grad.dtype == dtype
+
+
+def test_strided_input_gives_the_contiguous_result() -> None:
+    cart = _cart((0, 0), False)
+    block = Block(cart, 1, True)
+    x, want = block.arrays()
+    # the same values, laid out channel-first and viewed back: a non-contiguous tensor
+    t = torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, 0))).movedim(0, -1)
+    assert not t.is_contiguous()
+    y = ag.halo_exchange(t, cart, 1, True)
+    assert y.is_contiguous()
+    np.testing.assert_array_equal(y.detach().numpy(), want)
+
+
+def test_in_place_form_bumps_the_version_and_differentiates() -> None:
+    cart = _cart((0, 0), True)
+    w = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK), requires_grad=True)
+    x = w * 2
+    version = x._version
+    y = ag.halo_exchange_(x, cart, 1, True)
+    assert y is x and x._version > version
+    y.sum().backward()
+    w2 = w.detach().clone().requires_grad_(True)
+    ag.halo_exchange(w2 * 2, cart, 1, True).sum().backward()
+    assert torch.equal(w.grad, w2.grad)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        ag.halo_exchange_(torch.zeros(6, 5, dtype=torch.float64, requires_grad=True), cart, 1, True)
+
+
+def test_in_place_after_a_saved_tensor_is_caught_by_autograd() -> None:
+    cart = _cart((0,), True)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = x * 1.0
+    z = y.exp()  # saves its output... and y is changed in place below
+    s = z * y  # saves y
+    ag.halo_exchange_(y, cart, 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.sum().backward()
+
+
+def test_in_place_ops_after_an_exchange() -> None:
+    """The result is a new tensor, so an in-place ReLU after it is fine (it breaks DistDL's exchange)."""
+    cart = _cart((0,), True)
+    x = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK), requires_grad=True)
+    y = ag.halo_exchange(x, cart, 1)
+    y.relu_()
+    y.sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    ag.halo_exchange(x2, cart, 1).relu().sum().backward()
+    assert torch.equal(x.grad, x2.grad)  # type: ignore[arg-type]
+
+
+def test_split_form_overlaps_and_equals_the_whole() -> None:
+    cart = _cart((0, 0), (True, False))
+    x = torch.randn(6, 7, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        request = ag.halo_exchange_start(t, cart, 1, True)
+        interior = t[1:-1, 1:-1] * 3  # what a stencil computes while the messages travel
+        return request.wait(), interior
+
+    y, _ = split(x)
+    assert torch.equal(y, ag.halo_exchange(x, cart, 1, True))
+    assert ag.adjoint_gap(split, x) <= 1e-13
+    # two exchanges in flight at once, completed in the other order
+    a, b = x.clone(), x * 2
+    ra, rb = ag.halo_exchange_start(a, cart, 1, True), ag.halo_exchange_start(b, cart, 1, True)
+    yb, ya = rb.wait(), ra.wait()
+    assert torch.equal(ya, ag.halo_exchange(a, cart, 1, True))
+    assert torch.equal(yb, ag.halo_exchange(b, cart, 1, True))
+
+
+def test_plans_are_built_once_per_shape_and_reuse_their_buffers() -> None:
+    cart = _cart((0,), True)
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    ag.halo_exchange(x, cart, 1).sum().backward()
+    plan = _halo.plan_for(x, cart, 1, False, "test")
+    for _ in range(2 * _halo.SLOTS):
+        ag.halo_exchange(x, cart, 1).sum().backward()
+    assert _halo.plan_for(x, cart, 1, False, "test") is plan
+    made = plan.message_sets()
+    assert made == 2 * _halo.SLOTS  # a forward and a backward set per slot, then no more
+    for _ in range(3 * _halo.SLOTS):
+        ag.halo_exchange(x, cart, 1).sum().backward()
+    assert plan.message_sets() == made
+
+
+def test_zero_size_trailing_dimension() -> None:
+    cart = _cart((0, 0), True)
+    x = torch.zeros(5, 4, 0, dtype=torch.float64, requires_grad=True)
+    y = ag.halo_exchange(x, cart, 1, True)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad is not None and x.grad.shape == x.shape
+
+
+def test_mixed_requires_grad_and_integer_tensors() -> None:
+    cart = _cart((0,), True)
+    x = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    if RANK % 2 == 0:
+        x.requires_grad_(True)
+    y = ag.halo_exchange(x, cart, 1)
+    assert y.requires_grad  # on every member: each must join the backward pass
+    y.sum().backward()
+    if RANK % 2 == 0:
+        # each interior cell's own 1, and 1 more for cells 1 and 3, which fill a neighbour's ghost
+        assert x.grad.tolist() == [0.0, 2.0, 1.0, 2.0, 0.0]  # type: ignore[union-attr]
+    ints = ag.halo_exchange(torch.arange(5) + 10 * RANK, cart, 1)
+    assert int(ints[0]) == 10 * ((RANK - 1) % SIZE) + 3 and not ints.requires_grad
+
+
+def test_bad_input() -> None:
+    cart = _cart((0,), False)
+    with pytest.raises(TypeError, match="CartGroup"):
+        ag.halo_exchange(torch.zeros(5), dist.group.WORLD, 1)
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        ag.halo_exchange(np.zeros(5), cart, 1)
+    with pytest.raises(ValueError, match="larger than the block"):
+        ag.halo_exchange(torch.zeros(5), cart, 2)
+    with pytest.raises(ValueError, match="2 entries but the grid has 1"):
+        ag.halo_exchange(torch.zeros(5), cart, (1, 1))
+    with pytest.raises(ValueError, match="must not be negative"):
+        ag.halo_exchange(torch.zeros(5), cart, -1)
+    with pytest.raises(ValueError, match="at least 2"):
+        ag.halo_exchange(torch.zeros(5), _cart((0, 0), False), 1)
+    ag.halo_exchange(torch.zeros(5), cart, 1)  # the group still works: nothing was half-posted
+
+
+def test_indices_cover_each_ghost_once() -> None:
+    cart = _cart((0, 0), True)
+    plan = _halo.plan_for(torch.zeros(6, 7, dtype=torch.float64), cart, ((1, 2), (2, 1)), True, "test")
+    ghosts = plan.ghost_index.tolist()
+    assert len(ghosts) == len(set(ghosts)) == 6 * 7 - (6 - 3) * (7 - 3)
+    assert math.prod(plan.shape) == 42
+
+
+def test_memory_and_hooks_stay_flat_over_many_steps() -> None:
+    """Two thousand forward + backward steps: no message set, hook or resident memory piles up (the benchmark's
+    ``--autograd`` runs 10,000)."""
+    cart = _cart((0, 0), True)
+    x = torch.randn(10, 10, dtype=torch.float64, requires_grad=True)
+
+    def resident_kib() -> int:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * 4
+
+    before = 0
+    for i in range(2000):
+        ag.halo_exchange(x, cart, 1, True).sum().backward()
+        if i == 200:
+            before = resident_kib()
+    grown = resident_kib() - before
+    plan = _halo.plan_for(x, cart, 1, True, "test")
+    assert plan.message_sets() <= 2 * _halo.SLOTS
+    assert len(x._backward_hooks or {}) == 0  # each step's guard went with its graph
+    assert grown < 4096, f"resident memory grew {grown} KiB over 1,800 steps"
+
+
+def test_members_whose_blocks_differ_reuse_plans_differently() -> None:
+    """Uneven blocks: rank 0 exchanges two tensors of one shape (one plan, reused), the others two of different
+    shapes (two plans); the messages still meet, because their tags depend on the call, not on the plan."""
+    cart = _cart((0,), True)
+    extents = (5, 5) if RANK == 0 else (5 + RANK, 6 + RANK)
+    for step, n in enumerate(extents):
+        x = torch.full((n, 2), float(10 * RANK + step), dtype=torch.float64)
+        y = ag.halo_exchange(x, cart, 1)
+        assert y[0].tolist() == [float(10 * ((RANK - 1) % SIZE) + step)] * 2
+        assert y[-1].tolist() == [float(10 * ((RANK + 1) % SIZE) + step)] * 2
+
+
+def test_more_exchanges_in_flight_than_slots_is_refused() -> None:
+    cart = _cart((0,), True)
+    x = torch.randn(5, dtype=torch.float64)
+    requests = [ag.halo_exchange_start(x, cart, 1) for _ in range(_halo.SLOTS)]
+    with pytest.raises(RuntimeError, match="in flight already"):
+        ag.halo_exchange_start(x, cart, 1)
+    results = [r.wait() for r in requests]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.equal(ag.halo_exchange(x, cart, 1), results[0])  # the call numbers stayed in step

@@ -1,0 +1,130 @@
+"""Differentiable communication in jobs of their own: a rank that never runs its backward pass (a timeout error that
+names the pending backward message, and the job goes on), neighbours that disagree on dtype (checked mode) or shape,
+and a training step with a halo exchange under ``torch.compile(fullgraph=True)``.
+
+Outside mpiexec: ``python -m pytest tests/jobs/test_autograd_jobs.py``; skipped without torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from launch import MPIEXEC, run_job
+
+pytestmark = [
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed"),
+]
+
+LIMIT = 150  # seconds: torch's import and, for the compiled step, its compiler on oversubscribed ranks
+
+
+def test_a_rank_that_never_runs_backward_gives_a_timeout_naming_the_message(tmp_path: Path) -> None:
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+
+        dist.init_process_group(timeout=3)
+        rank = dist.get_rank()
+        x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        y = ag.sendrecv(x, 1 - rank, 1 - rank, tag=5)
+        go = torch.zeros(1)
+        if rank == 0:
+            try:
+                (y * 2).sum().backward()  # rank 1 has not run its backward pass
+                print("NO ERROR", flush=True)
+            except dist.CommunicationTimeout as exc:
+                print("TIMEOUT:", exc, flush=True)
+            dist.send(go, 1, tag=99)
+        else:
+            dist.recv(go, 0, tag=99)
+            (y * 3).sum().backward()  # late: it completes rank 0's messages, and the job goes on
+            print("LATE GRAD", x.grad.tolist(), flush=True)
+        z = ag.all_reduce(torch.ones(1, dtype=torch.float64))
+        print("DONE", rank, float(z), flush=True)
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc == 0, output
+    assert "TIMEOUT:" in output and "NO ERROR" not in output, output
+    line = next(line for line in output.splitlines() if line.startswith("TIMEOUT:"))
+    assert "backward pass of autograd.batch_isend_irecv" in line
+    assert "the gradient of the message of tag 5 sent to rank 1" in line
+    assert "timed out after 3 s" in line and "every member must run a backward pass" in line
+    assert "LATE GRAD [2.0, 2.0, 2.0, 2.0]" in output
+    assert "DONE 0 2.0" in output and "DONE 1 2.0" in output
+
+
+def test_neighbours_that_disagree_are_caught(tmp_path: Path) -> None:
+    """A dtype that differs between neighbours (checked mode), a shape that differs (any mode): an error on each
+    rank that names the problem, no corrupted gradient, and the group still works."""
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+
+        rank = dist.get_rank()
+        cart = dist.new_cart_group((0,), True)
+        lines = []
+        for case, shape, dtype in (
+            ("dtype", (5, 2), torch.float64 if rank == 0 else torch.int64),
+            ("shape", (5, 2 + rank), torch.float64),
+        ):
+            try:
+                ag.halo_exchange(torch.zeros(shape, dtype=dtype), cart, 1)
+                lines.append(f"NO ERROR {case}")
+            except dist.CommunicationError as exc:
+                lines.append(f"CAUGHT {case} {type(exc).__name__}: " + " ".join(str(exc).split()))
+            dist.barrier()
+        y = ag.halo_exchange(torch.arange(5.0, dtype=torch.float64), cart, 1)
+        lines.append(f"AFTER {y.tolist()}")
+        with open(f"result.{rank}", "w") as f:
+            f.write("\\n".join(lines) + "\\n")
+    """
+    rc, _, output = run_job(tmp_path, 2, code, env={"TENSORPLAY_P2P_CHECK": "1"}, limit=LIMIT)
+    assert rc == 0, output
+    for rank in (0, 1):
+        lines = (tmp_path / f"result.{rank}").read_text().splitlines()
+        dtype, shape, after = lines
+        assert dtype.startswith("CAUGHT dtype") and "int64" in dtype and "float64" in dtype, dtype
+        assert shape.startswith("CAUGHT shape") and "bytes" in shape, shape
+        assert after == "AFTER [3.0, 1.0, 2.0, 3.0, 1.0]"
+
+
+def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path) -> None:
+    code = """
+        import torch
+        import torch._dynamo
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+
+        torch.set_num_threads(1)
+        rank = dist.get_rank()
+        cart = dist.new_cart_group((0, 0), (True, False))
+        w = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+        def step(u):
+            v = ag.halo_exchange(u, cart, 1, corners=True)
+            out = torch.nn.functional.conv2d(v[None, None], w[None, None])[0, 0]
+            return (torch.tanh(out) ** 2).sum()
+
+        u = torch.randn(6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        eager = step(u)
+        eager_grads = torch.autograd.grad(eager, (u, w))
+        compiled = torch.compile(step, fullgraph=True)
+        for _ in range(2):  # the second call runs the compiled graph as it is
+            got = compiled(u)
+            grads = torch.autograd.grad(got, (u, w))
+        same = torch.allclose(got, eager, rtol=1e-12, atol=0) and all(
+            torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, eager_grads)
+        )
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        with open(f"result.{rank}", "w") as f:
+            f.write(f"{'same' if same else 'DIFFERENT'} breaks {breaks}")
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc == 0, output
+    for rank in (0, 1):
+        assert (tmp_path / f"result.{rank}").read_text() == "same breaks 0", output
