@@ -53,6 +53,12 @@ def _fresh(x: Any) -> Any:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _zeros(like: tuple[Any, Any, Any]) -> Any:
+    """Zeros of a (shape, dtype, device): the tangent of an input that has none."""
+    shape, dtype, device = like
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _average(op: Any, what: str) -> bool:
     """Whether ``op`` is AVG (else SUM); any other op has no gradient rule here."""
     name = getattr(op, "name", None) or str(op).rpartition(".")[2]
@@ -181,7 +187,6 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pg, ctx.extra = inputs[1], len(inputs) - 1
-        ctx.set_materialize_grads(True)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -204,6 +209,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pg, ctx.extra = inputs[0], len(inputs) - 1 - inputs[0].size()
+        ctx.like = (inputs[1].shape, inputs[1].dtype, inputs[1].device)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -211,7 +217,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        parts = [torch.zeros(()) if t is None else t for t in tangents[1 : 1 + ctx.pg.size()]]
+        parts = [_zeros(ctx.like) if t is None else t for t in tangents[1 : 1 + ctx.pg.size()]]
         return _ReduceScatter.forward(ctx.pg, *parts)
 
 
@@ -293,7 +299,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pg, ctx.root, ctx.extra = inputs[0], inputs[1], len(inputs) - 2 - inputs[0].size()
-        ctx.like = inputs[2]
+        ctx.like = (inputs[2].shape, inputs[2].dtype, inputs[2].device)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -301,7 +307,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        parts = [torch.zeros_like(ctx.like) if t is None else t for t in tangents[2 : 2 + ctx.pg.size()]]
+        parts = [_zeros(ctx.like) if t is None else t for t in tangents[2 : 2 + ctx.pg.size()]]
         return _Scatter.forward(ctx.pg, ctx.root, *parts)
 
 
@@ -321,7 +327,6 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pg, ctx.root, ctx.extra = inputs[1], inputs[2], len(inputs) - 1
-        ctx.set_materialize_grads(True)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -333,7 +338,7 @@ class _Gather(torch.autograd.Function):
 
 
 def _group(group: Any, what: str) -> ProcessGroup:
-    return side(package_group(group, what), what).group
+    return side(package_group(group, what)).group
 
 
 def _root(pg: ProcessGroup, rank: int, what: str, name: str) -> int:

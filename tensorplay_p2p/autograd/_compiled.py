@@ -10,6 +10,8 @@ derivatives compile too.  The group travels as a number: ``registered`` keeps ea
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -19,15 +21,16 @@ from . import _halo
 
 __all__ = ["halo_exchange", "registered"]
 
-registered: dict[int, CartGroup] = {}  # a number per group the compiled ops have been given
+registered: weakref.WeakValueDictionary[int, CartGroup] = weakref.WeakValueDictionary()  # the groups given, by number
+_given = itertools.count()
 
 
 @torch.compiler.assume_constant_result  # run when traced; the graph keeps the number
 def _number_of(group: CartGroup) -> int:
-    for number, known in registered.items():
+    for number, known in list(registered.items()):
         if known is group:
             return number
-    number = len(registered)
+    number = next(_given)
     registered[number] = group
     return number
 

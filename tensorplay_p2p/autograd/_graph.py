@@ -6,7 +6,8 @@ that a member's backward joins, whatever its own inputs and loss:
 - ``anchor()``: a leaf that requires a gradient, passed to every differentiable op in grad mode.  The op's output then
   requires a gradient on every member, so that a member whose own input needs none (mixed ``requires_grad``) still runs
   the op's backward, sending its zeros, when its backward reaches the output.
-- ``guard``: where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
+- ``guard`` (on ``halo_exchange``, ``sendrecv`` and a ``batch_isend_irecv`` that sends one tensor that requires a
+  gradient): where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
   send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
   outputs, and adds what it receives into the input's gradient.  So a dropped send is never pruned: its gradient is
   received.  The hook lives as long as the op's node.
@@ -36,37 +37,47 @@ def anchor() -> Any:
 
 
 class Duty:
-    """What an op's backward owes its peers: how many of this member's backward passes ran its node (``ran``), and
-    how to run it with zero output gradients (``substitute``, which returns the gradient of the guarded input)."""
+    """What an op's backward owes its peers: how many of this member's backward passes ran its node and were not yet
+    seen by the input's hook (``ran``), whether it ever ran, and how to run it with zero output gradients
+    (``substitute``, which returns the gradient of the guarded input)."""
 
-    __slots__ = ("__weakref__", "ran", "substitute")
+    __slots__ = ("ever_ran", "ran", "substitute")
 
     def __init__(self, substitute: Callable[[], Any]) -> None:
         self.ran = 0
+        self.ever_ran = False
         self.substitute = substitute
 
 
 def guard(node: Any, tensor: Any, substitute: Callable[[], Any]) -> None:
     """Make the backward of ``node`` (an op's output's ``grad_fn``) run once per backward pass that reaches ``tensor``,
-    its input: by ``node`` itself, or by the hook on ``tensor`` with ``substitute``."""
+    its input: by ``node`` itself, or by the hook on ``tensor`` with ``substitute``.
+
+    The hook lives on ``tensor``: a node whose output was dropped (its graph freed before any backward) still owes
+    its peers, and the first backward pass that reaches ``tensor`` runs it.  The hook goes once nothing is owed: when
+    the node, having run, is freed, or after it ran the substitute for a freed node."""
     if node is None or not getattr(tensor, "requires_grad", False) or torch._C._are_functorch_transforms_active():
         return
     duty = Duty(substitute)
     node.duty = duty
-    ref = weakref.ref(duty)
 
     def hook(grad: Any) -> Any:
-        owed = ref()
-        if owed is None:
+        if duty.ran:
+            duty.ran -= 1  # the node ran in this pass
             return None
-        if owed.ran:
-            owed.ran -= 1  # the node ran in this pass
+        if duty.ever_ran and alive() is None:
             return None
-        received = owed.substitute()
+        received = duty.substitute()
+        if alive() is None:  # a freed node's gradient is received once
+            handle.remove()
         return grad if received is None else grad + received
 
+    def gone(_: Any) -> None:
+        if duty.ever_ran:
+            handle.remove()  # it ran: nothing more is owed
+
     handle = tensor.register_hook(hook)
-    weakref.finalize(duty, handle.remove)
+    alive = weakref.ref(node, gone)
 
 
 def ran(ctx: Any) -> None:
@@ -74,3 +85,4 @@ def ran(ctx: Any) -> None:
     duty = getattr(ctx, "duty", None)
     if duty is not None:
         duty.ran += 1
+        duty.ever_ran = True

@@ -16,6 +16,7 @@ not CUDA-aware).  A plan holds the index maps and the buffers per shape, dtype a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -32,7 +33,7 @@ from .._src.persistent.plan import P2PPlan
 from .._src.process.groups import to_int
 from . import _graph
 from ._function import apply, twinned
-from ._side import Side, complete, side
+from ._side import HALO_DIRECTIONS, Side, complete, side
 
 __all__ = ["HaloRequest", "Plan", "halo_exchange", "halo_exchange_", "halo_exchange_start", "plan_for", "widths_of"]
 
@@ -91,16 +92,19 @@ class _Pass:
     backward receives) and ``ghosts`` (what the forward receives, and the backward sends), and its persistent
     requests over them (a ``P2PPlan``; None where the pass has no message)."""
 
-    __slots__ = ("busy", "exchange", "ghost_self", "ghosts", "slab_self", "slabs")
+    __slots__ = ("exchange", "ghosts", "slabs")
 
     def __init__(self, plan: Plan, slot: int, backward: bool) -> None:
-        whole = torch.empty(plan.slab_count + plan.ghost_count, dtype=plan.dtype, device=plan.device)
+        # [slabs sent | cells copied to this process itself | ghosts received]: the copied cells are the end of
+        # ``slabs`` and the start of ``ghosts`` at once, so that a copy to itself is no operation of its own
+        whole = torch.empty(plan.slab_count + plan.ghost_count - plan.self_count, dtype=plan.dtype, device=plan.device)
         self.slabs = whole[: plan.slab_count]
-        self.ghosts = whole[plan.slab_count :]
-        self.slab_self = self.slabs[plan.slab_count - plan.self_count :]
-        self.ghost_self = self.ghosts[plan.ghost_count - plan.self_count :]
-        slab_parts = [self.slabs[a:b] for a, b in plan.send_spans]
-        ghost_parts = [self.ghosts[a:b] for a, b in plan.receive_spans]
+        self.ghosts = whole[plan.slab_count - plan.self_count :]
+        # host buffers go to MPI as numpy views of the same memory: a persistent request over a numpy array needs no
+        # check that its tensor was not reallocated at each start (a torch tensor's does)
+        slabs, ghosts = _host_view(self.slabs), _host_view(self.ghosts)
+        slab_parts = [slabs[a:b] for a, b in plan.send_spans]
+        ghost_parts = [ghosts[plan.self_count + a : plan.self_count + b] for a, b in plan.receive_spans]
         pg, tag = plan.side.group, plan.side.halo_tag
         # forward: slabs to ``to``, ghosts from ``source``; backward: each message reversed
         outgoing = [(t, peer, k) for t, (k, peer) in zip(slab_parts, plan.sends, strict=True)]
@@ -113,7 +117,13 @@ class _Pass:
         ops = [P2POp(irecv, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in incoming]
         ops += [P2POp(isend, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in outgoing]
         self.exchange = P2PPlan(ops) if ops else None
-        self.busy = False  # started and not yet ended: its buffers hold a call's cells
+
+
+def _host_view(t: Any) -> Any:
+    """A numpy view of a host buffer numpy can describe (not bfloat16), else the tensor itself."""
+    if t.device.type != "cpu" or t.dtype == torch.bfloat16:
+        return t
+    return t.numpy()
 
 
 class Pending:
@@ -145,7 +155,7 @@ class Plan:
                     f"is larger than the block"
                 )
         self.group = group
-        self.side: Side = side(group, what)
+        self.side: Side = side(group)
         self.shape, self.dtype, self.device, self.widths, self.corners = shape, dtype, device, widths, corners
         me = group.rank()
         cells = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
@@ -157,7 +167,13 @@ class Plan:
         sends: list[tuple[int, int, Any]] = []
         receives: list[tuple[int, int, Any]] = []
         selfs: list[tuple[Any, Any]] = []
-        for k, o in enumerate(_directions(widths, corners)):
+        directions = _directions(widths, corners)
+        if len(directions) > HALO_DIRECTIONS:
+            raise ValueError(
+                f"{what}: a {ndim}-dimensional grid{' with corners' if corners else ''} has {len(directions)} "
+                f"directions; at most {HALO_DIRECTIONS} are supported (1 to 3 dimensions, or 4 without corners)"
+            )
+        for k, o in enumerate(directions):
             to, source = group.neighbor(o), group.neighbor(tuple(-x for x in o))
             slab, ghost = region(o, False), region(tuple(-x for x in o), True)
             if to == source == me:
@@ -169,7 +185,7 @@ class Plan:
                 receives.append((k, source, ghost))
         empty = torch.empty(0, dtype=torch.int64)
         slab_index = torch.cat([s for _, _, s in sends] + [s for s, _ in selfs] + [empty])
-        ghost_index = torch.cat([g for _, _, g in receives] + [g for _, g in selfs] + [empty])
+        ghost_index = torch.cat([g for _, g in selfs] + [g for _, _, g in receives] + [empty])
         self.slab_index = slab_index.to(device)
         self.ghost_index = ghost_index.to(device)
         self.slab_count, self.ghost_count = slab_index.numel(), ghost_index.numel()
@@ -178,7 +194,6 @@ class Plan:
         self.receives = [(k, peer) for k, peer, _ in receives]
         self.send_spans = _spans([s.numel() for _, _, s in sends])
         self.receive_spans = _spans([g.numel() for _, _, g in receives])
-        self.messages = len(sends) + len(receives)
         self._passes: dict[tuple[int, bool], _Pass] = {}
         self._lock = threading.Lock()
 
@@ -188,29 +203,43 @@ class Plan:
         return len(self._passes)
 
     def _pass(self, call: int, backward: bool) -> _Pass:
+        """The pass of ``call``'s slot, claimed: a slot's tags are the group's, so it is claimed on the group (a
+        member whose plans differ from its peer's claims and refuses alike)."""
         key = (call % SLOTS, backward)
-        part = self._passes.get(key)
-        if part is None:
+        with self.side.lock:
+            if key in self.side.halo_busy:
+                raise RuntimeError(
+                    f"halo_exchange: {SLOTS} halo exchanges on {self.group.describe()} are in flight already "
+                    f"(started, not yet waited for); wait for one first"
+                )
+            self.side.halo_busy.add(key)
+        try:
             with self._lock:
                 part = self._passes.get(key)
                 if part is None:
                     part = self._passes[key] = _Pass(self, key[0], backward)
-        if part.busy:
-            raise RuntimeError(
-                f"halo_exchange: {SLOTS} exchanges of shape {self.shape} on {self.group.describe()} are in flight "
-                f"already (started, not yet waited for); wait for one first"
-            )
+        except BaseException:
+            self._release(call, backward, None)
+            raise
         return part
+
+    def _release(self, call: int, backward: bool, part: _Pass | None) -> None:
+        """Give ``call``'s slot back, unless its step is still in flight (a wait that timed out)."""
+        if part is not None and part.exchange is not None and part.exchange.active:
+            return
+        with self.side.lock:
+            self.side.halo_busy.discard((call % SLOTS, backward))
 
     def start_fill(self, flat: Any, call: int) -> Pending:
         """H's messages posted: ``flat``'s interior layers sent (read now), the ghosts' values on their way."""
         part = self._pass(call, False)
-        torch.index_select(flat, 0, self.slab_index, out=part.slabs)
-        if self.self_count:
-            part.ghost_self.copy_(part.slab_self)
-        if part.exchange is not None:
-            part.exchange.start()
-        part.busy = True
+        try:
+            torch.index_select(flat, 0, self.slab_index, out=part.slabs)
+            if part.exchange is not None:
+                part.exchange.start()
+        except BaseException:
+            self._release(call, False, part)
+            raise
         return Pending(part, call)
 
     def end_fill(self, flat: Any, pending: Pending) -> None:
@@ -219,20 +248,21 @@ class Plan:
         try:
             if part.exchange is not None:
                 complete(part.exchange, lambda: self.describe(pending.call, False), False)
+            flat.index_copy_(0, self.ghost_index, part.ghosts)
         finally:  # a step that failed is over; one that timed out is still in flight
-            part.busy = part.exchange is not None and part.exchange.active
-        flat.index_copy_(0, self.ghost_index, part.ghosts)
+            self._release(pending.call, False, part)
 
     def start_add_back(self, flat: Any, call: int) -> Pending:
         """H*'s messages posted: each ghost's value sent back to the process that filled it, the ghost set to zero."""
         part = self._pass(call, True)
-        torch.index_select(flat, 0, self.ghost_index, out=part.ghosts)
-        flat.index_fill_(0, self.ghost_index, 0)
-        if self.self_count:
-            part.slab_self.copy_(part.ghost_self)
-        if part.exchange is not None:
-            part.exchange.start()
-        part.busy = True
+        try:
+            torch.index_select(flat, 0, self.ghost_index, out=part.ghosts)
+            flat.index_fill_(0, self.ghost_index, 0)
+            if part.exchange is not None:
+                part.exchange.start()
+        except BaseException:
+            self._release(call, True, part)
+            raise
         return Pending(part, call)
 
     def end_add_back(self, flat: Any, pending: Pending) -> None:
@@ -241,9 +271,9 @@ class Plan:
         try:
             if part.exchange is not None:
                 complete(part.exchange, lambda: self.describe(pending.call, True), True)
+            flat.index_add_(0, self.slab_index, part.slabs)
         finally:  # a step that failed is over; one that timed out is still in flight
-            part.busy = part.exchange is not None and part.exchange.active
-        flat.index_add_(0, self.slab_index, part.slabs)
+            self._release(pending.call, True, part)
 
     def describe(self, call: int, backward: bool) -> str:
         """The pass of exchange number ``call`` in the program's terms, for an error."""
@@ -265,8 +295,12 @@ class Plan:
     def applied(self, x: Any, call: int, adjoint: bool) -> Any:
         """H x (or H* x) as a new contiguous tensor."""
         out = x.clone(memory_format=torch.contiguous_format)
-        with torch._C._DisableFuncTorch():  # the plan's buffers are no program's tensors: no transform sees them
-            (self.add_back if adjoint else self.fill)(out.view(-1), call)
+        run = self.add_back if adjoint else self.fill
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():  # the plan's buffers are no program's tensors: no transform sees them
+                run(out.view(-1), call)
+        else:
+            run(out.view(-1), call)
         return out
 
 
@@ -286,8 +320,17 @@ _plans: weakref.WeakKeyDictionary[CartGroup, dict[tuple[Any, ...], Plan]] = weak
 _KEEP = 64  # plans kept per group; the oldest goes first
 
 
+_recent: dict[tuple[Any, ...], Plan] = {}  # by the arguments as given (hashable ones): no parsing on the hot path
+
+
 def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
     """The plan for ``x``'s shape, dtype and device on ``group``, built at first use."""
+    try:
+        plan = _recent.get((id(group), halo, corners, x.shape, x.dtype, x.device))
+    except (TypeError, AttributeError):  # a halo in a list; not a tensor (refused below)
+        plan = None
+    if plan is not None and plan.group is group and plan.side.group.communicator is not None:
+        return plan
     if not isinstance(group, CartGroup):
         raise TypeError(f"{what} needs a CartGroup (see new_cart_group), not {type(group).__name__}")
     if not isinstance(x, torch.Tensor):
@@ -301,6 +344,10 @@ def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
         if len(plans) >= _KEEP:
             del plans[next(iter(plans))]
         plans[key] = plan
+    if len(_recent) >= _KEEP:
+        _recent.clear()
+    with contextlib.suppress(TypeError):  # a halo given in a list is found by its widths each time
+        _recent[id(group), halo, corners, x.shape, x.dtype, x.device] = plan
     return plan
 
 

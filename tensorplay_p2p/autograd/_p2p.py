@@ -3,7 +3,8 @@
 A batch is a linear map from the tensors it sends to the tensors it receives.  Its adjoint is the same batch with
 every role reversed: the gradient of each received tensor goes back to its sender, and the gradient of each sent
 tensor is received from the process it went to.  Each adjoint message is tagged with its forward message's tag and
-number (``_side``), so that it meets its own even where two processes run their backward passes in another order.
+number (``_side``), so that it meets its own message, never another of the same tag, even where two processes run
+their backward passes in other orders (each backward batch still waits for what it receives).
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ class _Batch(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.pg, ctx.messages = inputs[0], inputs[1]
         ctx.extra = len(inputs) - 2 - sum(m.sends for m in inputs[1])
-        ctx.set_materialize_grads(True)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -120,7 +120,8 @@ def _adjoint(pg: ProcessGroup, messages: tuple[_Message, ...], grads: Sequence[A
     return [out for m, out in zip(messages, outputs, strict=True) if m.sends]
 
 
-def _described(op: Any, pg: ProcessGroup, s: Side, what: str) -> tuple[_Message, Any]:
+def _checked(op: Any, pg: ProcessGroup, what: str) -> tuple[bool, int, int, Any]:
+    """An op's direction, group peer, program tag and tensor, checked; nothing numbered yet."""
     name = getattr(getattr(op, "op", None), "__name__", None)
     if name not in ("isend", "irecv"):
         raise TypeError(f"{what}: each op must be a P2POp of isend or irecv, not {op!r}")
@@ -135,13 +136,17 @@ def _described(op: Any, pg: ProcessGroup, s: Side, what: str) -> tuple[_Message,
         )
     peer = getattr(op, "group_peer", None)
     if peer is None:
-        peer = pg.group_of.get(op.peer, MPI.PROC_NULL) if op.peer != MPI.PROC_NULL else MPI.PROC_NULL
-    sends = name == "isend"
+        if op.peer != MPI.PROC_NULL and op.peer not in pg.group_of:
+            raise ValueError(f"{what}: peer {op.peer} is not a member of {pg.describe()}")
+        peer = MPI.PROC_NULL if op.peer == MPI.PROC_NULL else pg.group_of[op.peer]
+    return name == "isend", peer, tag, tensor
+
+
+def _numbered(sends: bool, peer: int, tag: int, tensor: Any, s: Side) -> _Message:
     count = s.number(peer, tag, receive=not sends)
-    m = _Message(
+    return _Message(
         sends, peer, Side.p2p_tag(tag, None), Side.p2p_tag(tag, count), tuple(tensor.shape), tensor.dtype, tensor.device
     )
-    return m, tensor
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Any]:
@@ -171,8 +176,9 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Any]:
     if len(groups_used) != 1:
         raise ValueError(f"{what}: every op of a batch must be on the same group")
     pg = package_group(p2p_op_list[0].group, what)
-    s = side(pg, what)
-    described = [_described(op, pg, s, what) for op in p2p_op_list]
+    s = side(pg)
+    checked = [_checked(op, pg, what) for op in p2p_op_list]  # every op, before any is numbered
+    described = [(_numbered(*c, s), c[3]) for c in checked]
     messages = tuple(m for m, _ in described)
     sent = [t for m, t in described if m.sends]
     anchor = (_graph.anchor(),) if torch.is_grad_enabled() else ()

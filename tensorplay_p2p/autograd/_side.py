@@ -12,7 +12,9 @@ match the program's messages on the group, whatever their tags.  On the duplicat
   blocks differ in shape make and reuse plans differently.  A point-to-point message's forward payload is
   the program's tag; its backward payload is the tag and how many messages of that tag went between the two
   processes before it (the k-th message one way is the k-th received the other way, as MPI matches them), so that
-  the adjoint of each message meets its own, in whatever order the two processes' backward passes run.
+  the adjoint of each message meets its own message, never another of the same tag: where two processes run their
+  backward passes in different orders, a receive waits for its own message instead of taking the wrong one (a
+  backward batch that receives still waits for it, so the orders must let each one's sender reach it).
 """
 
 from __future__ import annotations
@@ -39,26 +41,27 @@ P2P_WINDOW = 64  # messages of one tag between two processes whose adjoints may 
 class Side:
     """The duplicate of one group (``group``), and the counters that number its messages alike on every member."""
 
-    __slots__ = ("group", "halo_calls", "lock", "received", "sent")
+    __slots__ = ("group", "halo_busy", "halo_calls", "lock", "received", "sent")
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.halo_calls = 0
+        self.halo_busy: set[tuple[int, bool]] = set()  # (slot, backward) of the halo passes in flight, every plan's
         self.sent: Counter[tuple[int, int]] = Counter()  # (group peer, program tag) -> forward sends so far
         self.received: Counter[tuple[int, int]] = Counter()
         self.lock = threading.Lock()
 
-    def halo_tag(self, slot: int, direction: int, backward: bool) -> int:
+    @staticmethod
+    def halo_tag(slot: int, direction: int, backward: bool) -> int:
         """The tag of one direction of a halo exchange whose call takes ``slot``, forward or backward."""
-        payload = (slot % _halo_slots()) * HALO_DIRECTIONS + direction
-        return payload << 2 | 2 | int(backward)
+        return (slot * HALO_DIRECTIONS + direction) << 2 | 2 | int(backward)
 
     def number(self, peer: int, tag: int, receive: bool) -> int:
         """How many forward messages of ``tag`` went to (or came from) ``peer`` before this one; counts this one."""
         with self.lock:
             seen = self.received if receive else self.sent
             count = seen[peer, tag]
-            seen[peer, tag] = count + 1
+            seen[peer, tag] = (count + 1) % P2P_WINDOW  # only the count modulo the window is ever used
             return count
 
     @staticmethod
@@ -66,10 +69,6 @@ class Side:
         """The tag of a point-to-point message: forward (``count`` None) or the adjoint of the ``count``-th one."""
         payload = tag if count is None else tag * P2P_WINDOW + count % P2P_WINDOW
         return payload << 2 | int(count is not None)
-
-
-def _halo_slots() -> int:
-    return ((tag_upper_bound() + 1) >> 2) // HALO_DIRECTIONS
 
 
 def largest_p2p_tag() -> int:
@@ -86,7 +85,7 @@ _sides: weakref.WeakKeyDictionary[ProcessGroup, Side] = weakref.WeakKeyDictionar
 _making = threading.Lock()
 
 
-def side(pg: ProcessGroup, what: str) -> Side:
+def side(pg: ProcessGroup) -> Side:
     """``pg``'s side group, made at its first differentiable op (collective over ``pg``'s members)."""
     found = _sides.get(pg)
     if found is not None and found.group.communicator is not None:

@@ -138,3 +138,14 @@ def test_mixed_requires_grad() -> None:
     y.sum().backward()
     if RANK % 2:
         assert x.grad.tolist() == [float(SIZE)] * 2  # type: ignore[union-attr]
+
+
+def test_destroying_a_group_frees_its_side_communicator() -> None:
+    group = dist.new_group(list(range(SIZE)))
+    assert ag.all_reduce(torch.ones(1, dtype=torch.float64), group=group).detach().item() == SIZE
+    from tensorplay_p2p.autograd import _side
+
+    duplicate = _side.side(group).group
+    assert duplicate.communicator is not None
+    dist.destroy_process_group(group)
+    assert duplicate.communicator is None

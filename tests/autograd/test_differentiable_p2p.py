@@ -104,13 +104,24 @@ def test_retain_graph_two_backward_passes() -> None:
     assert x.grad.tolist() == [2 * _scale(NEXT)] * 4  # type: ignore[union-attr]
 
 
-def test_microbatches_whose_backward_runs_in_reverse_order() -> None:
-    """Three microbatches on one tag, backward last-first (as a pipeline's schedule may): each gradient still meets
-    its own message (the adjoints are numbered per tag and pair), where FIFO matching would swap them."""
+def test_microbatches_whose_backward_runs_in_another_order_on_each_rank() -> None:
+    """Three one-way microbatches on one tag, as a pipeline sends them.  Every rank first runs the backward of what
+    it received (which only sends), even ranks first to last and odd ranks last to first; then each takes its sent
+    tensors' gradients, again in its own order.  Each gradient meets its own message (the adjoints are numbered per
+    tag and pair); matching in posting order would give an odd rank microbatch 2's gradient for microbatch 0."""
+    if SIZE == 1:
+        pytest.skip("one rank sends to itself: its one-way send waits for a receive it has not posted yet")
     xs = [_x(seed=k).requires_grad_(True) for k in range(3)]
-    ys = [ag.sendrecv(x, NEXT, PREV, tag=11) for x in xs]
-    for k in reversed(range(3)):
-        (ys[k] * _scale(RANK) * (k + 1)).sum().backward()
+    template = torch.empty(4, dtype=torch.float64)
+    received = []
+    for x in xs:
+        ag.batch_isend_irecv([dist.P2POp(dist.isend, x, NEXT, tag=11)])  # its token dropped: the guard receives
+        received.append(ag.batch_isend_irecv([dist.P2POp(dist.irecv, template, PREV, tag=11)])[0])
+    order = list(range(3)) if RANK % 2 == 0 else list(reversed(range(3)))
+    for k in order:
+        (received[k] * _scale(RANK) * (k + 1)).sum().backward()  # sends microbatch k's gradient to PREV
+    for k in order:
+        (xs[k].sum() * 0).backward()  # reaches x_k, not its send's token: x_k's gradient is received from NEXT
     for k, x in enumerate(xs):
         assert x.grad.tolist() == [_scale(NEXT) * (k + 1)] * 4  # type: ignore[union-attr]
 
@@ -170,8 +181,12 @@ def test_bad_input() -> None:
         ag.batch_isend_irecv([])
     with pytest.raises(TypeError, match="group must be"):
         ag.sendrecv(_x(), NEXT, PREV, group="world")
+    evens = dist.new_group([r for r in range(SIZE) if r % 2 == 0])
+    if RANK % 2 == 0 and SIZE > 1:
+        with pytest.raises(ValueError, match="is not a member"):  # a peer outside the group, checked before any
+            ag.batch_isend_irecv([dist.P2POp(dist.isend, _x(), 0, evens), dist.P2POp(dist.isend, _x(), 1, evens)])
+    dist.destroy_process_group(evens)
     assert ag.sendrecv(_x(), NEXT, PREV, tag=17).shape == (4,)  # nothing was left posted
-    assert SIZE >= 1
 
 
 def test_backward_on_another_thread() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -742,8 +743,13 @@ def group_from_comm(comm: MPI.Intracomm, name: str | None = None) -> ProcessGrou
 def duplicate(pg: ProcessGroup, name: str) -> ProcessGroup:
     """A group of the same members over a duplicate of ``pg``'s communicator (``MPI_Comm_dup``), for the package's
     own traffic, which then never matches the program's messages on ``pg``; collective over ``pg``'s members.  It is
-    not counted as a group of the program (``get_pg_count``), and ``destroy_process_group`` frees it with the rest."""
-    return _register(pg.live_comm(name).Dup(), name)
+    not counted as a group of the program (``get_pg_count``); destroying ``pg`` destroys it too."""
+    twin = _register(pg.live_comm(name).Dup(), name)
+    _duplicates.setdefault(pg, []).append(twin)
+    return twin
+
+
+_duplicates: weakref.WeakKeyDictionary[ProcessGroup, list[ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
 def destroy_all() -> None:
@@ -773,3 +779,5 @@ def destroy_one(pg: ProcessGroup) -> None:
     pg._destroy()
     if pg in created:
         created.remove(pg)
+    for twin in _duplicates.pop(pg, []):
+        destroy_one(twin)
