@@ -4,7 +4,8 @@ The ops are written once, in the style torch.func's transforms need (``forward``
 ``setup_context``).  torch applies that style by binding ``forward``'s signature at every call (``inspect``), which
 costs more than a small exchange's own Python work.  ``twinned`` gives each such Function an ``eager`` twin in the
 ``ctx``-first style, which torch applies directly, with the same forward, backward and forward-mode rule; ``apply``
-calls the twin, or the Function itself under a torch.func transform.
+calls the twin (through the C ``apply`` that ``Function.apply`` ends in), or the Function itself under a torch.func
+transform.
 """
 
 from __future__ import annotations
@@ -39,11 +40,25 @@ def twinned(cls: F) -> F:
         },
     )
     cls.eager = twin  # type: ignore[attr-defined]
+    cls.direct = _direct(twin)  # type: ignore[attr-defined]
     return cls
+
+
+def _direct(twin: Any) -> Any:
+    """The C ``apply`` that ``Function.apply`` ends in, bound to ``twin``.  Outside torch.func's transforms,
+    ``Function.apply`` adds to it only a look for ``setup_context`` (a twin has none) and the unwrapping of tensors
+    that a finished transform left wrapped, which ``apply`` does itself."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    method: Any = vars(base).get("apply") if base is not None else None
+    return method.__get__(None, twin) if hasattr(method, "__get__") else twin.apply
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_Tensor = torch.Tensor
 
 
 def apply(cls: Any, *args: Any) -> Any:
     """``cls.apply(*args)``, through its eager twin unless a torch.func transform is active."""
     if torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
-    return cls.eager.apply(*args)
+    return cls.direct(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from .._src import engine, errors
 from .._src.p2p.ops import P2POp, irecv, isend
 from .._src.persistent.cart import CartGroup
 from .._src.persistent.plan import P2PPlan
 from .._src.process.groups import to_int
+from .._src.settings import state
 from . import _graph
 from ._function import apply, twinned
 from ._side import HALO_DIRECTIONS, Side, complete, side
@@ -92,7 +94,7 @@ class _Pass:
     backward receives) and ``ghosts`` (what the forward receives, and the backward sends), and its persistent
     requests over them (a ``P2PPlan``; None where the pass has no message)."""
 
-    __slots__ = ("exchange", "ghosts", "slabs")
+    __slots__ = ("exchange", "ghosts", "kernel", "slabs")
 
     def __init__(self, plan: Plan, slot: int, backward: bool) -> None:
         # [slabs sent | cells copied to this process itself | ghosts received]: the copied cells are the end of
@@ -117,6 +119,41 @@ class _Pass:
         ops = [P2POp(irecv, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in incoming]
         ops += [P2POp(isend, t, group=pg, tag=tag(slot, k, backward), group_peer=peer) for t, peer, k in outgoing]
         self.exchange = P2PPlan(ops) if ops else None
+        self.kernel = _kernel(plan, self, whole, backward)
+
+
+_ADDS = {torch.float32: ("f", 1), torch.float64: ("d", 1), torch.complex64: ("f", 2), torch.complex128: ("d", 2)}
+
+
+def _kernel(plan: Plan, part: _Pass, whole: Any, backward: bool) -> Any:
+    """The compiled engine's body of ``part`` (``engine.accel.HaloPass``: gather, ``MPI_Startall``,
+    ``MPI_Waitall``, scatter, in one call), or None where the Python pass runs it: no compiled engine, device
+    memory, a backward pass whose addition the engine does not do (float16, bfloat16), a step that needs more
+    than the two MPI calls (checked mode)."""
+    accel = engine.accel
+    if accel is None or plan.device.type != "cpu" or (backward and plan.dtype not in _ADDS):
+        return None
+    lean = part.exchange.lean_requests() if part.exchange is not None else ((), (), None)
+    if lean is None:
+        return None
+    requests, receives, report = lean
+    slabs = (plan.slab_index.data_ptr(), plan.slab_count)
+    ghosts = (plan.ghost_index.data_ptr(), plan.ghost_count)
+    add, components = _ADDS[plan.dtype] if backward else (None, 1)
+    return accel.HaloPass(
+        requests=requests,
+        receives=receives,
+        gather=ghosts if backward else slabs,
+        gathered=(part.ghosts if backward else part.slabs).data_ptr(),
+        scatter=slabs if backward else ghosts,
+        scattered=(part.slabs if backward else part.ghosts).data_ptr(),
+        itemsize=whole.element_size(),
+        adjoint=backward,
+        add=add,
+        components=components,
+        keep=(whole, plan.slab_index, plan.ghost_index, part.exchange),
+        report=report,
+    )
 
 
 def _host_view(t: Any) -> Any:
@@ -127,12 +164,12 @@ def _host_view(t: Any) -> Any:
 
 
 class Pending:
-    """A pass of a plan in flight: the pass, and the call it is of."""
+    """A pass of a plan in flight: the pass, the call it is of, which pass, and whether its compiled body posted it."""
 
-    __slots__ = ("call", "part")
+    __slots__ = ("backward", "call", "lean", "part")
 
-    def __init__(self, part: _Pass, call: int) -> None:
-        self.part, self.call = part, call
+    def __init__(self, part: _Pass, call: int, backward: bool, lean: bool) -> None:
+        self.part, self.call, self.backward, self.lean = part, call, backward, lean
 
 
 class Plan:
@@ -230,50 +267,65 @@ class Plan:
         with self.side.lock:
             self.side.halo_busy.discard((call % SLOTS, backward))
 
-    def start_fill(self, flat: Any, call: int) -> Pending:
-        """H's messages posted: ``flat``'s interior layers sent (read now), the ghosts' values on their way."""
-        part = self._pass(call, False)
+    def start(self, x: Any, call: int, backward: bool) -> Pending:
+        """Post H's messages (``backward``: H*'s) for call ``call``: the cells of ``x`` (contiguous, of the plan's
+        shape) that are sent are read now (H*'s ghosts are then set to zero); ``end`` completes them."""
+        pending = self._start(x, call, backward, False)
+        assert pending is not None
+        return pending
+
+    def _start(self, x: Any, call: int, backward: bool, whole: bool) -> Pending | None:
+        """``start``; ``whole``: the whole pass where its compiled body runs it (then None is returned)."""
+        part = self._pass(call, backward)
         try:
-            torch.index_select(flat, 0, self.slab_index, out=part.slabs)
+            kernel = part.kernel
+            # the Python pass where a timeout is set (its wait's), or under a torch.func transform (whose wrappers
+            # have no data pointer)
+            if kernel is not None and state.timeout is None and not torch._C._are_functorch_transforms_active():
+                result = (kernel.run if whole else kernel.start)(x.data_ptr())
+                if result is None:
+                    if not whole:
+                        return Pending(part, call, backward, True)
+                    self._release(call, backward, part)
+                    return None
+                if result is not NotImplemented:  # the step is over
+                    raise self._failure(part, call, backward, result)
+            flat = x.view(-1)
+            if backward:
+                torch.index_select(flat, 0, self.ghost_index, out=part.ghosts)
+                flat.index_fill_(0, self.ghost_index, 0)
+            else:
+                torch.index_select(flat, 0, self.slab_index, out=part.slabs)
             if part.exchange is not None:
                 part.exchange.start()
         except BaseException:
-            self._release(call, False, part)
+            self._release(call, backward, part)
             raise
-        return Pending(part, call)
+        return Pending(part, call, backward, False)
 
-    def end_fill(self, flat: Any, pending: Pending) -> None:
-        """H completed: the ghosts' values received and written into ``flat``'s ghost cells."""
-        part = pending.part
+    def end(self, x: Any, pending: Pending) -> None:
+        """Complete what ``start`` posted into ``x`` (contiguous, of the plan's shape): H's received values written
+        into the ghost cells, or H*'s added into the interior cells that were sent."""
+        part, call, backward = pending.part, pending.call, pending.backward
         try:
+            if pending.lean:
+                result = part.kernel.finish(x.data_ptr())
+                if result is not None:
+                    raise self._failure(part, call, backward, result)
+                return
             if part.exchange is not None:
-                complete(part.exchange, lambda: self.describe(pending.call, False), False)
-            flat.index_copy_(0, self.ghost_index, part.ghosts)
+                complete(part.exchange, lambda: self.describe(call, backward), backward)
+            if backward:
+                x.view(-1).index_add_(0, self.slab_index, part.slabs)
+            else:
+                x.view(-1).index_copy_(0, self.ghost_index, part.ghosts)
         finally:  # a step that failed is over; one that timed out is still in flight
-            self._release(pending.call, False, part)
+            self._release(call, backward, part)
 
-    def start_add_back(self, flat: Any, call: int) -> Pending:
-        """H*'s messages posted: each ghost's value sent back to the process that filled it, the ghost set to zero."""
-        part = self._pass(call, True)
-        try:
-            torch.index_select(flat, 0, self.ghost_index, out=part.ghosts)
-            flat.index_fill_(0, self.ghost_index, 0)
-            if part.exchange is not None:
-                part.exchange.start()
-        except BaseException:
-            self._release(call, True, part)
-            raise
-        return Pending(part, call)
-
-    def end_add_back(self, flat: Any, pending: Pending) -> None:
-        """H* completed: what came back added into ``flat``'s interior cells that were sent."""
-        part = pending.part
-        try:
-            if part.exchange is not None:
-                complete(part.exchange, lambda: self.describe(pending.call, True), True)
-            flat.index_add_(0, self.slab_index, part.slabs)
-        finally:  # a step that failed is over; one that timed out is still in flight
-            self._release(pending.call, True, part)
+    def _failure(self, part: _Pass, call: int, backward: bool, result: Any) -> Exception:
+        """The error of a step the compiled body ran (``result``: what it returned), naming the pass."""
+        assert part.exchange is not None
+        return errors.within(self.describe(call, backward), part.exchange.lean_error(result))
 
     def describe(self, call: int, backward: bool) -> str:
         """The pass of exchange number ``call`` in the program's terms, for an error."""
@@ -284,23 +336,21 @@ class Plan:
             f"{', '.join(map(str, peers))})"
         )
 
-    def fill(self, flat: Any, call: int) -> None:
-        """H, in place on ``flat`` (the tensor's cells, contiguous)."""
-        self.end_fill(flat, self.start_fill(flat, call))
-
-    def add_back(self, flat: Any, call: int) -> None:
-        """H*, in place on ``flat``: the ghosts' values are added into their owners' cells and become zero."""
-        self.end_add_back(flat, self.start_add_back(flat, call))
+    def run(self, x: Any, call: int, backward: bool) -> None:
+        """H (``backward``: H*), in place on ``x`` (contiguous, of the plan's shape): with H*, the ghosts' values
+        are added into their owners' cells and become zero."""
+        pending = self._start(x, call, backward, True)
+        if pending is not None:
+            self.end(x, pending)
 
     def applied(self, x: Any, call: int, adjoint: bool) -> Any:
         """H x (or H* x) as a new contiguous tensor."""
         out = x.clone(memory_format=torch.contiguous_format)
-        run = self.add_back if adjoint else self.fill
         if torch._C._are_functorch_transforms_active():
             with torch._C._DisableFuncTorch():  # the plan's buffers are no program's tensors: no transform sees them
-                run(out.view(-1), call)
+                self.run(out, call, adjoint)
         else:
-            run(out.view(-1), call)
+            self.run(out, call, adjoint)
         return out
 
 
@@ -409,7 +459,7 @@ class _FillInPlace(torch.autograd.Function):
     @staticmethod
     def forward(x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
         if x.is_contiguous():
-            plan.fill(x.view(-1), call)
+            plan.run(x, call, False)
         else:
             x.copy_(plan.applied(x, call, adjoint=False))
         return x
@@ -427,7 +477,7 @@ class _FillInPlace(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
         if tangent.is_contiguous():
-            ctx.plan.fill(tangent.view(-1), ctx.call)
+            ctx.plan.run(tangent, ctx.call, False)
         else:
             tangent.copy_(ctx.plan.applied(tangent, ctx.call, adjoint=False))
         return tangent
@@ -519,7 +569,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Any, plan: Plan, call: int, flight: _Flight, *anchor: Any) -> Any:
-        flight.forward = plan.start_fill(x.contiguous().view(-1), call)
+        flight.forward = plan.start(x.contiguous(), call, False)
         return x.new_empty(0)
 
     @staticmethod
@@ -533,7 +583,7 @@ class _Start(torch.autograd.Function):
             return (None, *([None] * ctx.extra))
         plan = ctx.plan
         grad = torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device)
-        plan.end_add_back(grad.view(-1), pending)
+        plan.end(grad, pending)
         return (grad, *([None] * ctx.extra))
 
     @staticmethod
@@ -553,7 +603,7 @@ class _Finish(torch.autograd.Function):
         pending, flight.forward = flight.forward, None
         if pending is None:
             raise RuntimeError("HaloRequest.wait: this exchange was already completed")
-        plan.end_fill(y.view(-1), pending)
+        plan.end(y, pending)
         return y
 
     @staticmethod
@@ -566,7 +616,7 @@ class _Finish(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: the adjoint whole, differentiable, and nothing left to _Start
             return apply(_AddBack, grad, ctx.plan, ctx.call), None, None, None, None
         local = grad.clone(memory_format=torch.contiguous_format)
-        ctx.flight.backward = ctx.plan.start_add_back(local.view(-1), ctx.call)
+        ctx.flight.backward = ctx.plan.start(local, ctx.call, True)
         return local, None, None, None, None
 
     @staticmethod

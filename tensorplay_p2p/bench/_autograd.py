@@ -10,6 +10,8 @@ of ``SIDES``, these series run interleaved in one job:
   out-of-place exchange must do at least;
 - ``backward``: ``torch.autograd.grad`` through ``halo_exchange``'s result (its adjoint), the graph kept;
 - ``step``: forward and backward of ``(halo_exchange(x) * w).sum()``;
+- ``no exchange``: the same step without the exchange, ``(x * w).sum()``: torch's own part of both steps, so that
+  ``step`` and ``DistDL-style`` less it are what each exchange adds to a step;
 - ``DistDL-style``: the same step through a hand-written ``torch.autograd.Function`` over mpi4py with numpy copies,
   as DistDL writes its halo exchange: ``.detach().numpy()``, then dimension by dimension one ``Sendrecv`` per side
   of contiguous copies (corners come from the second dimension's full rows), and the adjoint in reverse.
@@ -33,7 +35,7 @@ __all__ = ["SERIES", "SIDES", "Exchange", "format_autograd", "measure_autograd",
 
 COMM = MPI.COMM_WORLD
 SIDES = (16, 128, 1024)
-SERIES = ("forward", "in place", "persistent", "clone + persistent", "backward", "step", "DistDL-style")
+SERIES = ("forward", "in place", "persistent", "clone + persistent", "backward", "step", "DistDL-style", "no exchange")
 COUNTS = {16: (2000, 100), 128: (1000, 50), 1024: (100, 10)}  # (iterations, warm-up) at scale 1
 MEMORY_STEPS = 10_000
 
@@ -132,6 +134,9 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     def distdl() -> None:
         (numpy_halo.apply(leaf) * w).sum().backward()
 
+    def bare() -> None:
+        torch.autograd.backward((leaf * w).sum())
+
     return {
         "forward": forward,
         "in place": in_place,
@@ -140,6 +145,7 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
         "backward": backward,
         "step": step,
         "DistDL-style": distdl,
+        "no exchange": bare,
     }, plan.close
 
 
@@ -203,6 +209,12 @@ def measure_memory(steps: int = MEMORY_STEPS, side: int = 16) -> tuple[int, int,
     return steps, max(f[0] for f in figures), max(f[1] for f in figures), max(f[2] for f in figures)
 
 
+def _share(t: dict[str, float]) -> str:
+    """What the exchange adds to a step, ours over the DistDL-style one's (each step less the step without it)."""
+    ours, theirs = t["step"] - t["no exchange"], t["DistDL-style"] - t["no exchange"]
+    return f"{ours / theirs:.3g}" if ours > 0 and theirs > 0 else "n/a"  # within the noise
+
+
 def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] | None, markdown: bool = False) -> str:
     """The table: each series' time, and the ratios the targets are about."""
     header = [
@@ -214,6 +226,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
         "forward / (clone + persistent)",
         "backward / forward",
         "step / DistDL-style",
+        "exchange's part of the step / DistDL-style's",
     ]
     rows = []
     for r in results:
@@ -228,6 +241,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
                 f"{t['forward'] / t['clone + persistent']:.3g}",
                 f"{t['backward'] / t['forward']:.3g}",
                 f"{t['step'] / t['DistDL-style']:.3g}",
+                _share(t),
             ]
         )
     title = "differentiable halo exchange (2-D, periodic, 1 ghost layer with corners, float64; us per call)"

@@ -15,6 +15,7 @@ import pytest
 from world import RANK, SIZE
 
 import tensorplay_p2p as dist
+from tensorplay_p2p._src import engine, settings
 
 torch = pytest.importorskip("torch")
 from tensorplay_p2p import autograd as ag  # noqa: E402
@@ -339,3 +340,45 @@ def test_more_exchanges_in_flight_than_slots_is_refused() -> None:
     results = [r.wait() for r in requests]
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.equal(ag.halo_exchange(x, cart, 1), results[0])  # the call numbers stayed in step
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+)
+def test_the_compiled_and_the_python_pass_agree(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and backward of every form on the compiled engine's pass (where it takes it: host memory, unchecked,
+    no timeout; backward: the dtypes it adds) equal the Python pass's (which a timeout selects), value for value."""
+    cart = _cart((0, 0), (True, False))
+    block = Block(cart, 1, True)
+    generator = torch.Generator().manual_seed(RANK)
+    x, v = (torch.randn(block.shape, dtype=torch.float64, generator=generator) for _ in range(2))
+    if dtype.is_complex:
+        x, v = torch.complex(x, x.flip(0)), torch.complex(v, v.flip(0))
+    x, v = x.to(dtype), v.to(dtype)
+
+    def each_form() -> list[torch.Tensor]:
+        results = []
+        for form in ("out of place", "in place", "split"):
+            leaf = x.clone().requires_grad_(True)
+            if form == "out of place":
+                y = ag.halo_exchange(leaf, cart, 1, True)
+            elif form == "in place":
+                y = ag.halo_exchange_(leaf * 1, cart, 1, True)
+            else:
+                y = ag.halo_exchange_start(leaf, cart, 1, True).wait()
+            y.backward(v)
+            assert leaf.grad is not None
+            results += [y.detach(), leaf.grad]
+        return results
+
+    before = engine.counts().get("HaloPass", (0, 0))
+    compiled = each_form()
+    after = engine.counts().get("HaloPass", (0, 0))
+    monkeypatch.setattr(settings.state, "timeout", 600.0)
+    python = each_form()
+    for got, want in zip(compiled, python, strict=True):
+        assert torch.equal(got, want)
+    taken = after[0] - before[0] - (after[1] - before[1])
+    adds = dtype not in (torch.float16, torch.bfloat16)
+    lean = engine.accel is not None and not settings.state.checked
+    assert taken == (3 * (1 + adds) if lean else 0), (taken, after, before)

@@ -93,6 +93,39 @@ def test_neighbours_that_disagree_are_caught(tmp_path: Path) -> None:
         assert after == "AFTER [3.0, 1.0, 2.0, 3.0, 1.0]"
 
 
+def test_neighbours_whose_shapes_differ_are_caught_on_the_compiled_pass(tmp_path: Path) -> None:
+    """Unchecked, the compiled engine runs the pass: a message too long for one rank's ghosts, too short for the
+    other's, each refused with the sizes named, and the group still works."""
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+        from tensorplay_p2p._src import engine
+
+        rank = dist.get_rank()
+        cart = dist.new_cart_group((0,), True)
+        lines = []
+        try:
+            ag.halo_exchange(torch.zeros(5, 2 + rank, dtype=torch.float64, requires_grad=True), cart, 1)
+            lines.append("NO ERROR")
+        except dist.MessageSizeError as exc:
+            lines.append("CAUGHT " + " ".join(str(exc).split()))
+        dist.barrier()
+        y = ag.halo_exchange(torch.arange(5.0, dtype=torch.float64), cart, 1)
+        lines.append(f"AFTER {y.tolist()}")
+        lines.append(f"COUNTS {engine.counts().get('HaloPass')}")
+        with open(f"result.{rank}", "w") as f:
+            f.write("\\n".join(lines) + "\\n")
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc == 0, output
+    for rank in (0, 1):
+        caught, after, counts = (tmp_path / f"result.{rank}").read_text().splitlines()
+        assert caught.startswith("CAUGHT the forward pass of halo_exchange number 0") and "bytes" in caught, caught
+        assert after == "AFTER [3.0, 1.0, 2.0, 3.0, 1.0]"
+        assert counts in ("COUNTS None", "COUNTS (2, 0)"), counts  # None: the pure-Python engine
+
+
 def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path) -> None:
     code = """
         import torch

@@ -171,12 +171,14 @@ def test_autograd_table_prints_every_series_and_its_ratios() -> None:
     rows = [line.split() for line in lines[2:] if line.split() and "x" in line.split()[0]]
     assert [r[0] for r in rows] == ["16x16", "128x128", "1024x1024"], done.stdout
     for row in rows:
-        values = [float(v) for v in row[1:]]
-        ranks, forward, in_place, persistent, floor, backward, step, distdl = values[:8]
-        assert ranks == 2 and min(values[1:8]) > 0
-        ratios = values[8:]
+        values = [float(v) for v in row[1:-1]]
+        ranks, forward, in_place, persistent, floor, backward, step, distdl, bare = values[:9]
+        assert ranks == 2 and min(values[1:9]) > 0
+        ratios = values[9:]
         expected = [forward / persistent, in_place / persistent, forward / floor, backward / forward, step / distdl]
         assert all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(ratios, expected, strict=True)), row
+        share = (step - bare) / (distdl - bare) if step > bare and distdl > bare else None
+        assert row[-1] == "n/a" if share is None else math.isclose(float(row[-1]), share, rel_tol=0.05), row
     assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
 
 

@@ -87,6 +87,7 @@ enum {
     C_ALL_GATHER,
     C_GATHER,
     C_SCATTER,
+    C_HALO_PASS,
     C_CALLS
 };
 static const char *const call_names[C_CALLS] = {
@@ -108,6 +109,7 @@ static const char *const call_names[C_CALLS] = {
     "all_gather",
     "gather",
     "scatter",
+    "HaloPass",
 };
 static Py_ssize_t calls_made[C_CALLS], calls_handed[C_CALLS]; /* under the GIL: plain increments */
 
@@ -3003,6 +3005,336 @@ new_collective(int kind)
     return (PyObject *)self;
 }
 
+/* --- halo passes: a differentiable halo exchange's pass on host memory ----------------------------------- */
+
+/* One pass (forward or backward) of one slot of a plan of ``autograd._halo``, built once over the plan's buffer and
+ * the persistent requests of its ``P2PPlan``: gather the cells it sends into the buffer by their flat indices (the
+ * backward then zeroes them: its ghosts), ``MPI_Startall``, ``MPI_Waitall`` (tested first: a step already complete
+ * never gives up the GIL), check each receive's size, and scatter what came back (the forward copies it into the
+ * ghosts, the backward adds it into the cells that were sent).  The same operations, in the same order, as the
+ * Python pass (``index_select``, ``index_fill_``, the plan's start and wait, ``index_copy_`` / ``index_add_``).
+ *
+ * A call returns None when done; NotImplemented, before anything is touched, where the Python pass must run it
+ * (``gate``: checked mode, the watchdog, a thread that may not call MPI, a torch profiler; or requests freed);
+ * else what went wrong, for the Python side to word: an MPI error code, or ``(receive, bytes)`` for a receive of the
+ * wrong size (bytes -1: longer than expected).  Either way the step is over.  Addresses are the Python side's: it
+ * makes them from tensors this object keeps alive (``keep``) and from a contiguous host tensor of the plan's shape
+ * and dtype. */
+
+enum { ADD_NONE, ADD_FLOAT, ADD_DOUBLE }; /* what a backward pass's scatter adds, per component */
+
+/* An index map (the flat indices of a plan's cells, in the buffer's order) as runs of consecutive cells: ``count``
+ * pairs (first index, length); a face's rows are a few long runs, its columns many short ones. */
+typedef struct {
+    Py_ssize_t *runs;
+    Py_ssize_t count;
+} Runs;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *requests; /* owned: a tuple of mpi4py Prequest objects, the pass's messages */
+    PyObject *keep;     /* owned: what keeps the buffers and index maps alive */
+    PyObject *report;   /* owned: what signals' report reads (``pending_lines``) while this waits */
+    MPI_Request *reqs;  /* the handles, copied from ``requests`` at each start */
+    MPI_Status *statuses;
+    Py_ssize_t n, nrecv;
+    Py_ssize_t *received;  /* for each receive: its index in ``requests`` and the bytes it expects, in pairs */
+    Runs gather, scatter;  /* the cells gathered (in the buffer's order), and those scattered into */
+    char *gathered;        /* the buffer the gather fills */
+    const char *scattered; /* the buffer the scatter reads */
+    int itemsize, adjoint, add;
+} HaloPassObject;
+
+/* Copy ``n`` elements of ``size`` bytes: fixed-size copies for the common sizes, which the compiler inlines. */
+static inline void
+copy_items(char *to, const char *from, Py_ssize_t n, Py_ssize_t size)
+{
+    if (n == 1 && size == 8)
+        memcpy(to, from, 8);
+    else if (n == 1 && size == 4)
+        memcpy(to, from, 4);
+    else if (n == 1 && size == 16)
+        memcpy(to, from, 16);
+    else
+        memcpy(to, from, (size_t)(n * size));
+}
+
+static void
+halo_gather(HaloPassObject *self, char *flat)
+{
+    const Py_ssize_t size = self->itemsize;
+    char *to = self->gathered;
+    for (Py_ssize_t r = 0; r < self->gather.count; r++) {
+        Py_ssize_t start = self->gather.runs[2 * r], n = self->gather.runs[2 * r + 1];
+        copy_items(to, flat + start * size, n, size);
+        if (self->adjoint)
+            memset(flat + start * size, 0, (size_t)(n * size));
+        to += n * size;
+    }
+}
+
+static void
+halo_scatter(HaloPassObject *self, char *flat)
+{
+    const Py_ssize_t size = self->itemsize;
+    const char *from = self->scattered;
+    for (Py_ssize_t r = 0; r < self->scatter.count; r++) {
+        Py_ssize_t start = self->scatter.runs[2 * r], n = self->scatter.runs[2 * r + 1];
+        Py_ssize_t k = n * size; /* bytes */
+        if (self->add == ADD_DOUBLE) {
+            double *t = (double *)(flat + start * size);
+            const double *f = (const double *)from;
+            for (Py_ssize_t c = 0; c < k / (Py_ssize_t)sizeof(double); c++)
+                t[c] += f[c];
+        } else if (self->add == ADD_FLOAT) {
+            float *t = (float *)(flat + start * size);
+            const float *f = (const float *)from;
+            for (Py_ssize_t c = 0; c < k / (Py_ssize_t)sizeof(float); c++)
+                t[c] += f[c];
+        } else
+            copy_items(flat + start * size, from, n, size);
+        from += k;
+    }
+}
+
+/* The tensor's address argument into ``*flat``: 0, or -1 with an error (a tensor without elements may be at 0: it has
+ * no cell to gather or scatter). */
+static int
+halo_address(PyObject *arg, char **flat)
+{
+    *flat = PyLong_AsVoidPtr(arg);
+    return *flat == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Gather and post: 1, or 0 with ``*result`` set (NotImplemented, or an MPI error code), or -1 on an error. */
+static int
+halo_start(HaloPassObject *self, char *flat, PyObject **result)
+{
+    calls_made[C_HALO_PASS]++;
+    if (!gate()) {
+        if (PyErr_Occurred())
+            return -1;
+        *result = HANDED(C_HALO_PASS, Py_NewRef(Py_NotImplemented));
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        self->reqs[i] = *PyMPIRequest_Get(PyTuple_GET_ITEM(self->requests, i));
+        if (self->reqs[i] == MPI_REQUEST_NULL) { /* freed: the plan is closed; Python says so */
+            *result = HANDED(C_HALO_PASS, Py_NewRef(Py_NotImplemented));
+            return 0;
+        }
+    }
+    halo_gather(self, flat);
+    int code = self->n > 0 ? MPI_Startall((int)self->n, self->reqs) : MPI_SUCCESS;
+    if (code != MPI_SUCCESS) {
+        *result = PyLong_FromLong(code);
+        return *result == NULL ? -1 : 0;
+    }
+    return 1;
+}
+
+/* Wait, check and scatter: None when done, else what went wrong (see above). */
+static PyObject *
+halo_finish(HaloPassObject *self, char *flat)
+{
+    int code = MPI_SUCCESS, done = 0;
+    if (self->n > 0) {
+        for (Py_ssize_t i = 0; i < self->n; i++)
+            blank_status(&self->statuses[i]);
+        code = MPI_Testall((int)self->n, self->reqs, &done, self->statuses);
+        if (code == MPI_SUCCESS && !done) {
+            WaitRecord *record = wait_begin(self->report);
+            Py_BEGIN_ALLOW_THREADS
+            code = MPI_Waitall((int)self->n, self->reqs, self->statuses);
+            Py_END_ALLOW_THREADS
+            wait_end(record);
+        }
+    }
+    for (Py_ssize_t j = 0; j < self->nrecv; j++) {
+        MPI_Status *status = &self->statuses[self->received[2 * j]];
+        if (code == MPI_ERR_IN_STATUS && status->MPI_ERROR != MPI_SUCCESS) {
+            int error_class = MPI_SUCCESS;
+            MPI_Error_class(status->MPI_ERROR, &error_class);
+            if (error_class == MPI_ERR_TRUNCATE)
+                return Py_BuildValue("(nn)", j, (Py_ssize_t)-1);
+            return PyLong_FromLong(status->MPI_ERROR);
+        }
+        if (code == MPI_SUCCESS && received_bytes(status) != self->received[2 * j + 1])
+            return Py_BuildValue("(nn)", j, received_bytes(status));
+    }
+    if (code != MPI_SUCCESS)
+        return PyLong_FromLong(code);
+    halo_scatter(self, flat);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(halo_run_doc, "run($self, address, /)\n--\n\n"
+                           "The whole pass on the contiguous host tensor at ``address``: None, NotImplemented (the "
+                           "Python pass runs it), an MPI error code, or (receive, bytes) for a wrong size.");
+
+static PyObject *
+halo_run(HaloPassObject *self, PyObject *arg)
+{
+    char *flat;
+    PyObject *result = NULL;
+    if (halo_address(arg, &flat) < 0)
+        return NULL;
+    int started = halo_start(self, flat, &result);
+    return started == 1 ? halo_finish(self, flat) : started == 0 ? result : NULL;
+}
+
+PyDoc_STRVAR(halo_start_doc, "start($self, address, /)\n--\n\n"
+                             "Gather and post: None when posted (``finish`` completes it), else as ``run``.");
+
+static PyObject *
+halo_start_method(HaloPassObject *self, PyObject *arg)
+{
+    char *flat;
+    PyObject *result = NULL;
+    if (halo_address(arg, &flat) < 0)
+        return NULL;
+    int started = halo_start(self, flat, &result);
+    return started == 1 ? Py_NewRef(Py_None) : started == 0 ? result : NULL;
+}
+
+PyDoc_STRVAR(halo_finish_doc, "finish($self, address, /)\n--\n\n"
+                              "Complete a pass that ``start`` posted, into the tensor at ``address``: as ``run``.");
+
+static PyObject *
+halo_finish_method(HaloPassObject *self, PyObject *arg)
+{
+    char *flat;
+    return halo_address(arg, &flat) < 0 ? NULL : halo_finish(self, flat);
+}
+
+/* An index map given as a (address, count) pair of Python ints (an int64 array the caller keeps alive while this
+ * reads it) made into runs: 0, or -1 with an error. */
+static int
+halo_runs(PyObject *pair, Runs *out)
+{
+    PyObject *a, *n;
+    if (!PyArg_ParseTuple(pair, "OO", &a, &n))
+        return -1;
+    const long long *index = PyLong_AsVoidPtr(a);
+    Py_ssize_t count = PyLong_AsSsize_t(n);
+    if (PyErr_Occurred())
+        return -1;
+    if (count < 0 || (count > 0 && index == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "HaloPass: a bad index map");
+        return -1;
+    }
+    out->runs = PyMem_Malloc(2 * (size_t)count * sizeof(Py_ssize_t) + 1);
+    if (out->runs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    out->count = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t *last = out->runs + 2 * (out->count - 1);
+        if (out->count > 0 && index[i] == last[0] + last[1])
+            last[1]++;
+        else {
+            out->runs[2 * out->count] = (Py_ssize_t)index[i];
+            out->runs[2 * out->count + 1] = 1;
+            out->count++;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"requests", "receives", "gather",     "gathered", "scatter", "scattered", "itemsize",
+                               "adjoint",  "add",      "components", "keep",     "report",  NULL};
+    PyObject *requests, *receives, *gather, *gathered, *scatter, *scattered, *keep, *report;
+    const char *adds = NULL; /* None: copy; "f": add floats; "d": add doubles */
+    int itemsize, adjoint, components;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!OipziOO:HaloPass", keywords, &PyTuple_Type, &requests,
+                                     &PyTuple_Type, &receives, &PyTuple_Type, &gather, &gathered, &PyTuple_Type,
+                                     &scatter, &scattered, &itemsize, &adjoint, &adds, &components, &keep, &report))
+        return NULL;
+    int add = adds == NULL ? ADD_NONE : strcmp(adds, "f") == 0 ? ADD_FLOAT : strcmp(adds, "d") == 0 ? ADD_DOUBLE : -1;
+    if (itemsize < 1 || add < 0 || components < 1 ||
+        (add != ADD_NONE &&
+         (size_t)itemsize != (size_t)components * (add == ADD_FLOAT ? sizeof(float) : sizeof(double)))) {
+        PyErr_SetString(PyExc_ValueError, "HaloPass: bad itemsize, add or components");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(requests), nrecv = PyTuple_GET_SIZE(receives);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(requests, i), &PyMPIPrequest_Type)) {
+            PyErr_SetString(PyExc_TypeError, "HaloPass: requests must be persistent requests");
+            return NULL;
+        }
+    HaloPassObject *self = (HaloPassObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->requests = Py_NewRef(requests);
+    self->keep = Py_NewRef(keep);
+    self->report = Py_NewRef(report);
+    self->n = n;
+    self->nrecv = nrecv;
+    self->reqs = PyMem_Calloc((size_t)n + 1, sizeof(MPI_Request));
+    self->statuses = PyMem_Calloc((size_t)n + 1, sizeof(MPI_Status));
+    self->received = PyMem_Calloc(2 * (size_t)nrecv + 1, sizeof(Py_ssize_t));
+    if (self->reqs == NULL || self->statuses == NULL || self->received == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t j = 0; j < nrecv; j++)
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(receives, j), "nn", &self->received[2 * j],
+                              &self->received[2 * j + 1]) ||
+            self->received[2 * j] < 0 || self->received[2 * j] >= n) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "HaloPass: a receive's index is out of range");
+            Py_DECREF(self);
+            return NULL;
+        }
+    self->gathered = PyLong_AsVoidPtr(gathered);
+    self->scattered = PyLong_AsVoidPtr(scattered);
+    if (PyErr_Occurred() || halo_runs(gather, &self->gather) < 0 || halo_runs(scatter, &self->scatter) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->itemsize = itemsize;
+    self->adjoint = adjoint;
+    self->add = add;
+    return (PyObject *)self;
+}
+
+static void
+halo_dealloc(HaloPassObject *self)
+{
+    Py_XDECREF(self->requests);
+    Py_XDECREF(self->keep);
+    Py_XDECREF(self->report);
+    PyMem_Free(self->reqs);
+    PyMem_Free(self->statuses);
+    PyMem_Free(self->received);
+    PyMem_Free(self->gather.runs);
+    PyMem_Free(self->scatter.runs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef halo_methods[] = {
+    {"run", (PyCFunction)halo_run, METH_O, halo_run_doc},
+    {"start", (PyCFunction)halo_start_method, METH_O, halo_start_doc},
+    {"finish", (PyCFunction)halo_finish_method, METH_O, halo_finish_doc},
+    {NULL},
+};
+
+static PyTypeObject HaloPass_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorplay_p2p._src.engine._accel.HaloPass",
+    .tp_doc = PyDoc_STR("One pass of one slot of a differentiable halo plan, on host memory: gather, Startall, "
+                        "Waitall, scatter."),
+    .tp_basicsize = sizeof(HaloPassObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = halo_new,
+    .tp_dealloc = (destructor)halo_dealloc,
+    .tp_methods = halo_methods,
+};
+
 /* --- setup ----------------------------------------------------------------------------------------- */
 
 /* What setup_work and setup_ops take, by keyword: one table each, so that ``contract()`` lists exactly what they
@@ -3383,7 +3715,7 @@ PyInit__accel(void)
     BatchBase_Type.tp_new = PyList_Type.tp_new;
     work_getset_init();
     if (PyType_Ready(&WorkBase_Type) < 0 || PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&OpBase_Type) < 0 ||
-        PyType_Ready(&Collective_Type) < 0 || PyType_Ready(&Packed_Type) < 0)
+        PyType_Ready(&Collective_Type) < 0 || PyType_Ready(&Packed_Type) < 0 || PyType_Ready(&HaloPass_Type) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < COUNT(names); i++)
         if (intern(names[i].slot, names[i].text) < 0)
@@ -3399,7 +3731,8 @@ PyInit__accel(void)
     if (lean_isend_obj == NULL || lean_irecv_obj == NULL || PyModule_AddStringConstant(m, "ABI", TP2P_ABI) < 0 ||
         PyModule_AddObjectRef(m, "WorkBase", (PyObject *)&WorkBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
-        PyModule_AddObjectRef(m, "OpBase", (PyObject *)&OpBase_Type) < 0) {
+        PyModule_AddObjectRef(m, "OpBase", (PyObject *)&OpBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "HaloPass", (PyObject *)&HaloPass_Type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

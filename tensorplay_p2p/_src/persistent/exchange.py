@@ -398,6 +398,37 @@ class PersistentExchange:
             self._what, message.receive, self._group, message.peer, message.tag, message.nbytes, message.label, waited
         )
 
+    # --- a compiled caller's step -----------------------------------------------------------
+
+    def lean_requests(self) -> tuple[tuple[MPI.Prequest, ...], tuple[tuple[int, int], ...], Any] | None:
+        """For a compiled caller that runs the steps itself (``MPI_Startall``, ``MPI_Waitall``, the size check) over
+        memory it owns and never reallocates: the persistent requests, each receive's ``(index in the requests,
+        bytes expected)``, and what ``signals``' report reads while it waits.  None where a step needs more than
+        those two calls (checked mode, device memory, staging, packing, copies within a tensor) or none."""
+        if (
+            self._closed
+            or self._checked
+            or not self._requests
+            or self._synchronized
+            or self._staged
+            or self._device_copies
+            or self._packs
+            or self._unpacks
+            or self._copies
+        ):
+            return None
+        receives = tuple((i, m.nbytes) for i, m in enumerate(self._messages) if m.receive)
+        return tuple(self._requests), receives, _LeanStep(self)
+
+    def lean_error(self, result: Any) -> CommunicationError:
+        """The error of a step that a compiled caller ran (see ``lean_requests``): ``result`` is an MPI error code,
+        or ``(receive, bytes)`` for the receive (numbered among the receives) that got the wrong size (bytes -1:
+        longer than its region)."""
+        if isinstance(result, tuple):
+            receive, received = result
+            return self._size_error(self._receives[receive][1], None if received < 0 else received)
+        return CommunicationError(f"{self._what}: a message failed", mpi_error=MPI.Get_error_string(result).strip())
+
     # --- life cycle ------------------------------------------------------------------------
 
     @property
@@ -453,6 +484,18 @@ class PersistentExchange:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+class _LeanStep:
+    """A step a compiled caller runs, as ``signals``' report reads it: every message of the step (it is not timed)."""
+
+    __slots__ = ("exchange",)
+
+    def __init__(self, exchange: PersistentExchange) -> None:
+        self.exchange = exchange
+
+    def pending_lines(self, now: float | None) -> list[str]:
+        return self.exchange.pending_lines(None)
 
 
 signals.register_wait(PersistentExchange.wait, lambda scope, now: scope["self"].pending_lines(now))
