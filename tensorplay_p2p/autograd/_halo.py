@@ -276,15 +276,25 @@ class Plan:
 
     def _start(self, x: Any, call: int, backward: bool, whole: bool) -> Pending | None:
         """``start``; ``whole``: the whole pass where its compiled body runs it (then None is returned)."""
+        if self.group.communicator is None:  # destroyed: raises, naming it
+            self.group.live_comm(f"the {'backward' if backward else 'forward'} pass of halo_exchange number {call}")
         part = self._pass(call, backward)
         try:
             kernel = part.kernel
-            # the Python pass where a timeout is set (its wait's), or under a torch.func transform (whose wrappers
-            # have no data pointer)
-            if kernel is not None and state.timeout is None and not torch._C._are_functorch_transforms_active():
+            # the Python pass where a timeout is set (its wait's), under a torch.func transform (whose wrappers have
+            # no data pointer), and for a conjugate or negative view (whose memory is not its values)
+            if (
+                kernel is not None
+                and state.timeout is None
+                and not torch._C._are_functorch_transforms_active()
+                and not x.is_conj()
+                and not x.is_neg()
+            ):
                 result = (kernel.run if whole else kernel.start)(x.data_ptr())
                 if result is None:
                     if not whole:
+                        if part.exchange is not None:
+                            part.exchange.lean_posted(True)
                         return Pending(part, call, backward, True)
                     self._release(call, backward, part)
                     return None
@@ -309,7 +319,11 @@ class Plan:
         part, call, backward = pending.part, pending.call, pending.backward
         try:
             if pending.lean:
-                result = part.kernel.finish(x.data_ptr())
+                try:
+                    result = part.kernel.finish(x.data_ptr())
+                finally:
+                    if part.exchange is not None:
+                        part.exchange.lean_posted(False)
                 if result is not None:
                     raise self._failure(part, call, backward, result)
                 return

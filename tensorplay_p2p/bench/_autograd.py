@@ -3,8 +3,11 @@
 On a 2-D periodic grid of all ranks, blocks of N x N float64 cells with one ghost layer, corners included, for each N
 of ``SIDES``, these series run interleaved in one job:
 
-- ``forward``: ``autograd.halo_exchange(x)``, out of place (a new tensor), with its autograd node;
-- ``in place``: ``autograd.halo_exchange_(x)``;
+- ``forward``: ``autograd.halo_exchange(x)``, out of place (a new tensor), with its autograd node, on a new leaf
+  that requires a gradient each call (``x.detach().requires_grad_()``: the guard that a dropped result leaves on
+  its input would otherwise pile up on one tensor over the loop);
+- ``in place``: ``autograd.halo_exchange_(x)``, on a new view of the same memory each call (``x.detach()``, as a
+  step's input is the previous step's output: the nodes would otherwise chain on one tensor over the loop);
 - ``persistent``: the persistent ``HaloExchange``'s step (``exchange()``) on a tensor of the same shape, in place;
 - ``clone + persistent``: a new copy of the tensor (allocated, as a result is) and that step: what any
   out-of-place exchange must do at least;
@@ -116,10 +119,10 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
         raise AssertionError("the DistDL-style exchange and the package's differ")
 
     def forward() -> None:
-        ag.halo_exchange(leaf, cart, 1, corners=True)
+        ag.halo_exchange(x.detach().requires_grad_(), cart, 1, corners=True)
 
     def in_place() -> None:
-        ag.halo_exchange_(inplace, cart, 1, corners=True)
+        ag.halo_exchange_(inplace.detach(), cart, 1, corners=True)
 
     def clone_and_exchange() -> None:
         x.clone()  # a new tensor, as an out-of-place exchange's result is

@@ -347,7 +347,8 @@ def test_more_exchanges_in_flight_than_slots_is_refused() -> None:
 )
 def test_the_compiled_and_the_python_pass_agree(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward and backward of every form on the compiled engine's pass (where it takes it: host memory, unchecked,
-    no timeout; backward: the dtypes it adds) equal the Python pass's (which a timeout selects), value for value."""
+    no timeout, no conjugate view; backward: the dtypes it adds) equal the Python pass's, value for value: the one a
+    timeout selects (before the engine is called) and the one the engine hands back under a torch profiler."""
     cart = _cart((0, 0), (True, False))
     block = Block(cart, 1, True)
     generator = torch.Generator().manual_seed(RANK)
@@ -355,30 +356,72 @@ def test_the_compiled_and_the_python_pass_agree(dtype: torch.dtype, monkeypatch:
     if dtype.is_complex:
         x, v = torch.complex(x, x.flip(0)), torch.complex(v, v.flip(0))
     x, v = x.to(dtype), v.to(dtype)
+    adds = dtype not in (torch.float16, torch.bfloat16)
+    # form: (passes the engine takes, forward and backward); a conjugate view's memory holds its values' conjugates
+    forms = {"out of place": 1 + adds, "in place": 1 + adds, "split": 1 + adds}
+    if dtype.is_complex:
+        forms |= {"split, conjugate view": 1, "in place, conjugate view": 1}
 
-    def each_form() -> list[torch.Tensor]:
+    def each_form() -> tuple[list[torch.Tensor], int, int]:
+        """The results, and how many passes the compiled engine took and handed to Python."""
+        before = engine.counts().get("HaloPass", (0, 0))
         results = []
-        for form in ("out of place", "in place", "split"):
+        for form in forms:
             leaf = x.clone().requires_grad_(True)
             if form == "out of place":
                 y = ag.halo_exchange(leaf, cart, 1, True)
             elif form == "in place":
                 y = ag.halo_exchange_(leaf * 1, cart, 1, True)
-            else:
+            elif form == "in place, conjugate view":
+                y = ag.halo_exchange_((leaf * 1).conj(), cart, 1, True)
+            elif form == "split":
                 y = ag.halo_exchange_start(leaf, cart, 1, True).wait()
+            else:
+                y = ag.halo_exchange_start(leaf.conj(), cart, 1, True).wait()
             y.backward(v)
             assert leaf.grad is not None
-            results += [y.detach(), leaf.grad]
-        return results
+            results += [y.detach().resolve_conj(), leaf.grad]
+        after = engine.counts().get("HaloPass", (0, 0))
+        handed = after[1] - before[1]
+        return results, after[0] - before[0] - handed, handed
 
-    before = engine.counts().get("HaloPass", (0, 0))
-    compiled = each_form()
-    after = engine.counts().get("HaloPass", (0, 0))
+    compiled, taken, handed = each_form()
     monkeypatch.setattr(settings.state, "timeout", 600.0)
-    python = each_form()
-    for got, want in zip(compiled, python, strict=True):
-        assert torch.equal(got, want)
-    taken = after[0] - before[0] - (after[1] - before[1])
-    adds = dtype not in (torch.float16, torch.bfloat16)
+    timed, taken_timed, _ = each_form()
+    monkeypatch.setattr(settings.state, "timeout", None)
+    with torch.autograd.profiler.profile():
+        python, taken_profiled, handed_profiled = each_form()
+    for got, also, want in zip(compiled, timed, python, strict=True):
+        assert torch.equal(got, want) and torch.equal(also, want)
+    passes = sum(forms.values())
     lean = engine.accel is not None and not settings.state.checked
-    assert taken == (3 * (1 + adds) if lean else 0), (taken, after, before)
+    assert (taken, taken_timed, handed) == ((passes, 0, 0) if lean else (0, 0, 0))
+    assert (taken_profiled, handed_profiled) == ((0, passes) if lean else (0, 0))
+
+
+def test_a_destroyed_grid_refuses_the_backward_of_an_exchange_it_started() -> None:
+    """Every slot's passes built (the compiled engine's among them), the grid destroyed between an exchange's
+    forward and its backward: the backward raises, naming the destroyed group, on every member."""
+    cart = _cart((0,), (True,))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for _ in range(_halo.SLOTS):
+        ag.halo_exchange(x.clone().requires_grad_(True), cart).sum().backward()
+    leaf = x.clone().requires_grad_(True)
+    y = ag.halo_exchange(leaf, cart)
+    dist.destroy_process_group(cart)
+    with pytest.raises(RuntimeError, match="destroyed"):
+        y.sum().backward()
+
+
+def test_a_split_exchange_is_in_flight_until_it_is_waited_for() -> None:
+    """A split exchange's messages are in flight between the start and the wait, on either engine's pass: closing
+    its requests then waits for them first, instead of freeing buffers MPI still writes."""
+    cart = _cart((0,), (True,))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    request = ag.halo_exchange_start(x, cart)
+    plan = _halo.plan_for(x, cart, 1, False, "halo_exchange_start")
+    exchanges = [part.exchange for part in plan._passes.values() if part.exchange is not None]
+    assert len(exchanges) == (SIZE > 1)  # one process: its own neighbour, no message
+    assert all(exchange.active for exchange in exchanges)
+    request.wait()
+    assert not any(exchange.active for exchange in exchanges)

@@ -57,6 +57,52 @@ def test_a_rank_that_never_runs_backward_gives_a_timeout_naming_the_message(tmp_
     assert "DONE 0 2.0" in output and "DONE 1 2.0" in output
 
 
+def test_a_halo_exchange_whose_peer_never_runs_backward_times_out(tmp_path: Path) -> None:
+    """With a timeout set (its wait is the Python pass's), the backward of a halo exchange whose peer has not run its
+    own gives a timeout naming the pass and its pending messages; the peer's late backward completes them, and the
+    group goes on."""
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+        from tensorplay_p2p._src import engine
+
+        dist.init_process_group(timeout=2)
+        rank = dist.get_rank()
+        cart = dist.new_cart_group((0,), True)
+        x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        y = ag.halo_exchange(x, cart, 1)
+        go = torch.zeros(1)
+        lines = []
+        if rank == 0:
+            try:
+                y.sum().backward()
+                lines.append("NO ERROR")
+            except dist.CommunicationTimeout as exc:
+                lines.append("TIMEOUT " + " ".join(str(exc).split()))
+            dist.send(go, 1, tag=99)
+        else:
+            dist.recv(go, 0, tag=99)
+            y.sum().backward()
+            lines.append(f"LATE GRAD {x.grad.tolist()}")
+        z = ag.halo_exchange(torch.arange(4.0, dtype=torch.float64) + rank, cart, 1)
+        lines.append(f"AFTER {z.tolist()}")
+        lines.append(f"COUNTS {engine.counts().get('HaloPass')}")
+        with open(f"result.{rank}", "w") as f:
+            f.write("\\n".join(lines) + "\\n")
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc == 0, output
+    first, after, counts = (tmp_path / "result.0").read_text().splitlines()
+    assert first.startswith("TIMEOUT the backward pass of halo_exchange number 0"), first
+    assert "timed out after 2 s" in first and "every member must run a backward pass" in first, first
+    assert "from rank 1" in first or "to rank 1" in first, first
+    late, after_1, counts_1 = (tmp_path / "result.1").read_text().splitlines()
+    assert late == "LATE GRAD [0.0, 2.0, 2.0, 0.0]", late
+    assert after == "AFTER [3.0, 1.0, 2.0, 2.0]" and after_1 == "AFTER [2.0, 2.0, 3.0, 1.0]", (after, after_1)
+    assert counts in ("COUNTS None", "COUNTS (0, 0)") and counts_1 == counts, (counts, counts_1)
+
+
 def test_neighbours_that_disagree_are_caught(tmp_path: Path) -> None:
     """A dtype that differs between neighbours (checked mode), a shape that differs (any mode): an error on each
     rank that names the problem, no corrupted gradient, and the group still works."""

@@ -3150,22 +3150,48 @@ halo_finish(HaloPassObject *self, char *flat)
             wait_end(record);
         }
     }
-    for (Py_ssize_t j = 0; j < self->nrecv; j++) {
-        MPI_Status *status = &self->statuses[self->received[2 * j]];
-        if (code == MPI_ERR_IN_STATUS && status->MPI_ERROR != MPI_SUCCESS) {
-            int error_class = MPI_SUCCESS;
-            MPI_Error_class(status->MPI_ERROR, &error_class);
-            if (error_class == MPI_ERR_TRUNCATE)
+    if (code == MPI_ERR_IN_STATUS) { /* a receive too long first, then the first error that is not "pending" */
+        for (Py_ssize_t j = 0; j < self->nrecv; j++) {
+            int error_class = MPI_SUCCESS, error = self->statuses[self->received[2 * j]].MPI_ERROR;
+            if (error != MPI_SUCCESS && MPI_Error_class(error, &error_class) == MPI_SUCCESS &&
+                error_class == MPI_ERR_TRUNCATE)
                 return Py_BuildValue("(nn)", j, (Py_ssize_t)-1);
-            return PyLong_FromLong(status->MPI_ERROR);
         }
-        if (code == MPI_SUCCESS && received_bytes(status) != self->received[2 * j + 1])
-            return Py_BuildValue("(nn)", j, received_bytes(status));
+        for (Py_ssize_t i = 0; i < self->n; i++) {
+            int error = self->statuses[i].MPI_ERROR;
+            if (error != MPI_SUCCESS && error != MPI_ERR_PENDING) {
+                code = error;
+                break;
+            }
+        }
     }
     if (code != MPI_SUCCESS)
         return PyLong_FromLong(code);
+    for (Py_ssize_t j = 0; j < self->nrecv; j++) {
+        MPI_Status *status = &self->statuses[self->received[2 * j]];
+        if (received_bytes(status) != self->received[2 * j + 1])
+            return Py_BuildValue("(nn)", j, received_bytes(status));
+    }
     halo_scatter(self, flat);
     Py_RETURN_NONE;
+}
+
+enum { HALO_RUN, HALO_START, HALO_FINISH }; /* what a call of a HaloPass does */
+
+/* ``run``, ``start`` and ``finish`` on the tensor at address ``arg``. */
+static PyObject *
+halo_call(HaloPassObject *self, PyObject *arg, int which)
+{
+    char *flat;
+    if (halo_address(arg, &flat) < 0)
+        return NULL;
+    if (which == HALO_FINISH)
+        return halo_finish(self, flat);
+    PyObject *result = NULL;
+    int started = halo_start(self, flat, &result);
+    if (started != 1)
+        return started == 0 ? result : NULL;
+    return which == HALO_RUN ? halo_finish(self, flat) : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(halo_run_doc, "run($self, address, /)\n--\n\n"
@@ -3175,12 +3201,7 @@ PyDoc_STRVAR(halo_run_doc, "run($self, address, /)\n--\n\n"
 static PyObject *
 halo_run(HaloPassObject *self, PyObject *arg)
 {
-    char *flat;
-    PyObject *result = NULL;
-    if (halo_address(arg, &flat) < 0)
-        return NULL;
-    int started = halo_start(self, flat, &result);
-    return started == 1 ? halo_finish(self, flat) : started == 0 ? result : NULL;
+    return halo_call(self, arg, HALO_RUN);
 }
 
 PyDoc_STRVAR(halo_start_doc, "start($self, address, /)\n--\n\n"
@@ -3189,12 +3210,7 @@ PyDoc_STRVAR(halo_start_doc, "start($self, address, /)\n--\n\n"
 static PyObject *
 halo_start_method(HaloPassObject *self, PyObject *arg)
 {
-    char *flat;
-    PyObject *result = NULL;
-    if (halo_address(arg, &flat) < 0)
-        return NULL;
-    int started = halo_start(self, flat, &result);
-    return started == 1 ? Py_NewRef(Py_None) : started == 0 ? result : NULL;
+    return halo_call(self, arg, HALO_START);
 }
 
 PyDoc_STRVAR(halo_finish_doc, "finish($self, address, /)\n--\n\n"
@@ -3203,8 +3219,7 @@ PyDoc_STRVAR(halo_finish_doc, "finish($self, address, /)\n--\n\n"
 static PyObject *
 halo_finish_method(HaloPassObject *self, PyObject *arg)
 {
-    char *flat;
-    return halo_address(arg, &flat) < 0 ? NULL : halo_finish(self, flat);
+    return halo_call(self, arg, HALO_FINISH);
 }
 
 /* An index map given as a (address, count) pair of Python ints (an int64 array the caller keeps alive while this

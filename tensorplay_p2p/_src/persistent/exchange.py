@@ -429,6 +429,11 @@ class PersistentExchange:
             return self._size_error(self._receives[receive][1], None if received < 0 else received)
         return CommunicationError(f"{self._what}: a message failed", mpi_error=MPI.Get_error_string(result).strip())
 
+    def lean_posted(self, posted: bool) -> None:
+        """A compiled caller posted a step that it completes in a later call (``posted``), or completed it: while
+        posted, the step is in flight, as one ``start()`` posted (``close`` waits for it before freeing anything)."""
+        self._active = posted
+
     # --- life cycle ------------------------------------------------------------------------
 
     @property
