@@ -425,3 +425,23 @@ def test_a_split_exchange_is_in_flight_until_it_is_waited_for() -> None:
     assert all(exchange.active for exchange in exchanges)
     request.wait()
     assert not any(exchange.active for exchange in exchanges)
+
+
+def test_exchanges_dropped_on_one_tensor_each_run_their_adjoint_at_its_next_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forwards on one leaf whose outputs are dropped keep a hook each; the next backward that reaches the leaf runs
+    each one's adjoint once, in the order they were called (alike on every member), and then none is left."""
+    cart = _cart((0,), (True,))
+    theta = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
+    ran: list[int] = []
+    substitute = _halo._substitute
+    monkeypatch.setattr(_halo, "_substitute", lambda plan, call: ran.append(call) or substitute(plan, call))
+    for _ in range(3):
+        ag.halo_exchange(theta, cart)
+    ag.halo_exchange(theta, cart).sum().backward()
+    assert ran == [0, 1, 2]
+    want = torch.tensor([[0.0] * 2, [2.0] * 2, [2.0] * 2, [0.0] * 2], dtype=torch.float64)
+    assert torch.equal(theta.grad, want)  # the kept exchange's adjoint; the dropped ones' add zeros
+    (theta * 1).sum().backward()
+    assert ran == [0, 1, 2]
