@@ -414,8 +414,8 @@ def test_a_destroyed_grid_refuses_the_backward_of_an_exchange_it_started() -> No
 
 
 def test_a_split_exchange_is_in_flight_until_it_is_waited_for() -> None:
-    """A split exchange's messages are in flight between the start and the wait, on either engine's pass: closing
-    its requests then waits for them first, instead of freeing buffers MPI still writes."""
+    """A split exchange's messages are in flight between the start and the wait (on the compiled engine's pass where
+    it takes it), as ``close`` reads them: it waits for them first, instead of freeing buffers MPI still writes."""
     cart = _cart((0,), (True,))
     x = torch.ones(4, 2, dtype=torch.float64)
     request = ag.halo_exchange_start(x, cart)
@@ -445,3 +445,18 @@ def test_exchanges_dropped_on_one_tensor_each_run_their_adjoint_at_its_next_back
     assert torch.equal(theta.grad, want)  # the kept exchange's adjoint; the dropped ones' add zeros
     (theta * 1).sum().backward()
     assert ran == [0, 1, 2]
+
+
+def test_a_negative_view_is_exchanged_by_its_values() -> None:
+    """A contiguous negative view (torch makes one of a tensor's negation, lazily) holds the negatives of its values
+    in memory: its split and in-place exchanges equal the exchange of its values."""
+    cart = _cart((0, 0), (True, False))
+    block = Block(cart, 1, True)
+    x = torch.randn(block.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    want = ag.halo_exchange(-x, cart, 1, True).detach()
+    negative = torch._neg_view(x)
+    assert negative.is_neg() and negative.is_contiguous()
+    assert torch.equal(ag.halo_exchange_start(negative, cart, 1, True).wait().detach(), want)
+    in_place = torch._neg_view(x.clone())
+    ag.halo_exchange_(in_place, cart, 1, True)
+    assert torch.equal(in_place.detach(), want)

@@ -3133,6 +3133,14 @@ halo_start(HaloPassObject *self, char *flat, PyObject **result)
     return 1;
 }
 
+/* The class of MPI error ``code`` (``MPI_ERR_OTHER`` where the library cannot say). */
+static int
+error_class_of(int code)
+{
+    int error_class = MPI_ERR_OTHER;
+    return MPI_Error_class(code, &error_class) == MPI_SUCCESS ? error_class : MPI_ERR_OTHER;
+}
+
 /* Wait, check and scatter: None when done, else what went wrong (see above). */
 static PyObject *
 halo_finish(HaloPassObject *self, char *flat)
@@ -3150,16 +3158,16 @@ halo_finish(HaloPassObject *self, char *flat)
             wait_end(record);
         }
     }
-    if (code == MPI_ERR_IN_STATUS) { /* a receive too long first, then the first error that is not "pending" */
+    if (code != MPI_SUCCESS && error_class_of(code) == MPI_ERR_IN_STATUS) {
+        /* a receive too long first, then the first error that is not "pending" (by class, as Python judges) */
         for (Py_ssize_t j = 0; j < self->nrecv; j++) {
-            int error_class = MPI_SUCCESS, error = self->statuses[self->received[2 * j]].MPI_ERROR;
-            if (error != MPI_SUCCESS && MPI_Error_class(error, &error_class) == MPI_SUCCESS &&
-                error_class == MPI_ERR_TRUNCATE)
+            int error = self->statuses[self->received[2 * j]].MPI_ERROR;
+            if (error != MPI_SUCCESS && error_class_of(error) == MPI_ERR_TRUNCATE)
                 return Py_BuildValue("(nn)", j, (Py_ssize_t)-1);
         }
         for (Py_ssize_t i = 0; i < self->n; i++) {
             int error = self->statuses[i].MPI_ERROR;
-            if (error != MPI_SUCCESS && error != MPI_ERR_PENDING) {
+            if (error != MPI_SUCCESS && error_class_of(error) != MPI_ERR_PENDING) {
                 code = error;
                 break;
             }

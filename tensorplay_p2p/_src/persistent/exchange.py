@@ -433,6 +433,8 @@ class PersistentExchange:
         """A compiled caller posted a step that it completes in a later call (``posted``), or completed it: while
         posted, the step is in flight, as one ``start()`` posted (``close`` waits for it before freeing anything)."""
         self._active = posted
+        if posted:
+            self.posted = time.monotonic()
 
     # --- life cycle ------------------------------------------------------------------------
 
