@@ -124,3 +124,43 @@ def test_torch_cuda_differentiable_halo_exchange(mode: str) -> None:
     torch.testing.assert_close(got.detach().cpu(), expected, rtol=0, atol=0)
     gap = ag.adjoint_gap(lambda t: ag.halo_exchange(t, cart, 1), device)
     assert gap <= 1e-13, gap
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="no CUDA device through torch")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "complex64"])
+def test_torch_cuda_differentiable_ops_equal_the_host(mode: str, dtype: str) -> None:
+    """Every form of the differentiable halo exchange (2-D, corners), sendrecv and all_reduce on device tensors:
+    outputs and input gradients equal the same ops on the host, value for value."""
+    import torch
+
+    from tensorplay_p2p import autograd as ag
+
+    kind = getattr(torch, dtype)
+    cart = dist.new_cart_group((0, 0), (True, False))
+    generator = torch.Generator().manual_seed(RANK)
+    x, v = (torch.randn(7, 6, 2, dtype=torch.float64, generator=generator).to(kind) for _ in range(2))
+
+    def each(device: str) -> list[torch.Tensor]:
+        results = []
+        for form in ("out of place", "in place", "split", "sendrecv", "all_reduce"):
+            leaf = x.to(device, copy=True).requires_grad_(True)
+            if form == "out of place":
+                y = ag.halo_exchange(leaf, cart, 1, True)
+            elif form == "in place":
+                y = ag.halo_exchange_(leaf * 1, cart, 1, True)
+            elif form == "split":
+                y = ag.halo_exchange_start(leaf, cart, 1, True).wait()
+            elif form == "sendrecv":
+                y = ag.sendrecv(leaf, NEXT, PREV)
+            else:
+                y = ag.all_reduce(leaf)
+            y.backward(v.to(device))
+            assert leaf.grad is not None and y.device.type == device
+            results += [y.detach().cpu(), leaf.grad.cpu()]
+        return results
+
+    for got, want in zip(each("cuda"), each("cpu"), strict=True):
+        if kind in (torch.float16, torch.bfloat16) and not torch.equal(got, want):
+            torch.testing.assert_close(got, want)  # all_reduce's sum may round in another order
+        else:
+            assert torch.equal(got, want)
