@@ -5,7 +5,9 @@ The ops are written once, in the style torch.func's transforms need (``forward``
 costs more than a small exchange's own Python work.  ``twinned`` gives each such Function an ``eager`` twin in the
 ``ctx``-first style, which torch applies directly, with the same forward, backward and forward-mode rule; ``apply``
 calls the twin (through the C ``apply`` that ``Function.apply`` ends in), or the Function itself under a torch.func
-transform.
+transform.  Where nothing can be differentiated (grad mode off, as in every first-order backward pass and under
+``torch.no_grad()``, and no forward-mode level open), ``apply`` calls the forward alone: torch would record no node
+and carry no tangent, only build and drop a context.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch
+from torch.autograd import forward_ad
 
 __all__ = ["apply", "twinned"]
 
@@ -20,7 +23,12 @@ F = TypeVar("F", bound=type)
 
 
 def twinned(cls: F) -> F:
-    """Give ``cls`` (a ``setup_context``-style autograd Function) its ``ctx``-first twin, as ``cls.eager``."""
+    """Give ``cls`` (a ``setup_context``-style autograd Function) its ``ctx``-first twin, as ``cls.eager``.
+
+    A Function whose forward writes inputs in place (and marks them dirty) names their positions in ``cls.modifies``:
+    where ``apply`` calls the forward alone, it moves their version counters on, as ``mark_dirty`` would."""
+    if "modifies" not in vars(cls):
+        cls.modifies = ()  # type: ignore[attr-defined]
     forward, setup_context = cls.forward, cls.setup_context  # type: ignore[attr-defined]
     backward, jvp = cls.backward, cls.jvp  # type: ignore[attr-defined]
 
@@ -58,7 +66,14 @@ _Tensor = torch.Tensor
 
 
 def apply(cls: Any, *args: Any) -> Any:
-    """``cls.apply(*args)``, through its eager twin unless a torch.func transform is active."""
+    """``cls.apply(*args)``: through its eager twin unless a torch.func transform is active, or its forward alone where
+    nothing can be differentiated (grad mode off, no forward-mode level open)."""
     if torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
-    return cls.direct(*[_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])
+    given = [_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args]
+    if torch.is_grad_enabled() or forward_ad._current_level >= 0:
+        return cls.direct(*given)
+    output = cls.forward(*given)
+    for i in cls.modifies:
+        torch.autograd.graph.increment_version(given[i])
+    return output

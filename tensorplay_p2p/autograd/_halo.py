@@ -470,6 +470,8 @@ class _AddBack(torch.autograd.Function):
 class _FillInPlace(torch.autograd.Function):
     """x ← H x, in place (autograd's version counter moves on)."""
 
+    modifies = (0,)
+
     @staticmethod
     def forward(x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
         if x.is_contiguous():

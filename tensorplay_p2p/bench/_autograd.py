@@ -12,6 +12,8 @@ of ``SIDES``, these series run interleaved in one job:
 - ``clone + persistent``: a new copy of the tensor (allocated, as a result is) and that step: what any
   out-of-place exchange must do at least;
 - ``backward``: ``torch.autograd.grad`` through ``halo_exchange``'s result (its adjoint), the graph kept;
+- ``backward of a clone``: the same call through a ``clone`` of the leaf (one node of torch's own, the graph kept):
+  what a backward call costs whatever its graph holds, so that ``backward`` less it is the exchange's own backward;
 - ``step``: forward and backward of ``(halo_exchange(x) * w).sum()``;
 - ``no exchange``: the same step without the exchange, ``(x * w).sum()``: torch's own part of both steps, so that
   ``step`` and ``DistDL-style`` less it are what each exchange adds to a step;
@@ -38,7 +40,17 @@ __all__ = ["SERIES", "SIDES", "Exchange", "format_autograd", "measure_autograd",
 
 COMM = MPI.COMM_WORLD
 SIDES = (16, 128, 1024)
-SERIES = ("forward", "in place", "persistent", "clone + persistent", "backward", "step", "DistDL-style", "no exchange")
+SERIES = (
+    "forward",
+    "in place",
+    "persistent",
+    "clone + persistent",
+    "backward",
+    "backward of a clone",
+    "step",
+    "DistDL-style",
+    "no exchange",
+)
 COUNTS = {16: (2000, 100), 128: (1000, 50), 1024: (100, 10)}  # (iterations, warm-up) at scale 1
 MEMORY_STEPS = 10_000
 
@@ -112,6 +124,8 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     leaf = x.clone().requires_grad_(True)
     kept = ag.halo_exchange(leaf, cart, 1, corners=True)
     cotangent = torch.ones_like(kept)
+    unguarded = x.clone().requires_grad_(True)  # a leaf of its own: ``leaf`` carries ``kept``'s guard
+    copied = unguarded.clone()
     numpy_halo = _distdl_function(torch, np, cart.comm)
 
     reference = numpy_halo.apply(x)
@@ -131,6 +145,9 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     def backward() -> None:
         torch.autograd.grad(kept, leaf, cotangent, retain_graph=True)
 
+    def backward_of_a_clone() -> None:
+        torch.autograd.grad(copied, unguarded, cotangent, retain_graph=True)
+
     def step() -> None:
         (ag.halo_exchange(leaf, cart, 1, corners=True) * w).sum().backward()
 
@@ -146,6 +163,7 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
         "persistent": plan.exchange,
         "clone + persistent": clone_and_exchange,
         "backward": backward,
+        "backward of a clone": backward_of_a_clone,
         "step": step,
         "DistDL-style": distdl,
         "no exchange": bare,
@@ -218,6 +236,12 @@ def _share(t: dict[str, float]) -> str:
     return f"{ours / theirs:.3g}" if ours > 0 and theirs > 0 else "n/a"  # within the noise
 
 
+def _own_backward(t: dict[str, float]) -> str:
+    """The exchange's own backward (the backward call less a one-node graph's) over its forward."""
+    own = t["backward"] - t["backward of a clone"]
+    return f"{own / t['forward']:.3g}" if own > 0 else "n/a"  # within the noise
+
+
 def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] | None, markdown: bool = False) -> str:
     """The table: each series' time, and the ratios the targets are about."""
     header = [
@@ -228,6 +252,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
         "in place / persistent",
         "forward / (clone + persistent)",
         "backward / forward",
+        "(backward - backward of a clone) / forward",
         "step / DistDL-style",
         "exchange's part of the step / DistDL-style's",
     ]
@@ -243,6 +268,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
                 f"{t['in place'] / t['persistent']:.3g}",
                 f"{t['forward'] / t['clone + persistent']:.3g}",
                 f"{t['backward'] / t['forward']:.3g}",
+                _own_backward(t),
                 f"{t['step'] / t['DistDL-style']:.3g}",
                 _share(t),
             ]

@@ -202,6 +202,69 @@ def test_in_place_after_a_saved_tensor_is_caught_by_autograd() -> None:
         s.sum().backward()
 
 
+def test_without_grad_mode_the_forward_alone_runs_and_still_moves_the_version_on() -> None:
+    """Under ``torch.no_grad()`` no node is recorded (the forward runs alone), the results equal grad mode's, the
+    in-place form still moves the version counter on (so a tensor saved before it is caught at backward), and an
+    open forward-mode level still carries tangents."""
+    import torch.autograd.forward_ad as fwad
+
+    cart = _cart((0, 0), (True, False))
+    block = Block(cart, 1, True)
+    generator = torch.Generator().manual_seed(RANK)
+    x = torch.randn(block.shape, dtype=torch.float64, generator=generator, requires_grad=True)
+    want = ag.halo_exchange(x, cart, 1, True).detach()
+    with torch.no_grad():
+        y = ag.halo_exchange(x, cart, 1, True)
+        z = ag.halo_exchange_start(x, cart, 1, True).wait()
+    assert y.grad_fn is None and not y.requires_grad and z.grad_fn is None
+    assert torch.equal(y, want) and torch.equal(z, want)
+
+    w = x * 1.0
+    saved = w * w  # saves w
+    version = w._version
+    with torch.no_grad():
+        assert ag.halo_exchange_(w, cart, 1, True) is w
+    assert w._version > version and torch.equal(w.detach(), want)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+    tangent = torch.randn(block.shape, dtype=torch.float64, generator=generator)
+    with torch.no_grad(), fwad.dual_level():
+        dual = ag.halo_exchange(fwad.make_dual(x.detach(), tangent), cart, 1, True)
+        carried = fwad.unpack_dual(dual).tangent
+    assert carried is not None
+    assert torch.equal(carried, ag.halo_exchange(tangent, cart, 1, True))
+
+
+def test_the_guard_shares_a_tensor_s_hooks_with_the_program_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard a dropped result leaves sits in the input's hook dict beside hooks the program registered before
+    and after it, on a leaf and on a non-leaf: every hook runs, the program's handles still remove theirs, and the
+    guard goes once it ran its substitute."""
+    cart = _cart((0,), True)
+    ran: list[int] = []
+    substitute = _halo._substitute
+    monkeypatch.setattr(_halo, "_substitute", lambda plan, call: ran.append(call) or substitute(plan, call))
+    leaf = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
+    seen: list[str] = []
+    for x in (leaf, leaf * 2.0):
+        seen.clear()
+        before = x.register_hook(lambda g: seen.append("before"))
+        ag.halo_exchange(x, cart)  # dropped: its guard stays on x
+        after = x.register_hook(lambda g: seen.append("after"))
+        removed = x.register_hook(lambda g: seen.append("removed"))
+        removed.remove()
+        assert len(x._backward_hooks) == 3
+        leaf.grad = None
+        (x * 3.0).sum().backward()
+        assert seen == ["before", "after"] and len(ran) == 1
+        assert torch.equal(leaf.grad, torch.full((4, 2), 3.0 if x is leaf else 6.0, dtype=torch.float64))
+        assert len(x._backward_hooks) == 2  # the guard ran its substitute for a freed node: it is gone
+        before.remove()
+        after.remove()
+        assert len(x._backward_hooks) == 0
+        ran.clear()
+
+
 def test_in_place_ops_after_an_exchange() -> None:
     """The result is a new tensor, so an in-place ReLU after it is fine (it breaks DistDL's exchange)."""
     cart = _cart((0,), True)

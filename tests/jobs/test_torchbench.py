@@ -171,14 +171,17 @@ def test_autograd_table_prints_every_series_and_its_ratios() -> None:
     rows = [line.split() for line in lines[2:] if line.split() and "x" in line.split()[0]]
     assert [r[0] for r in rows] == ["16x16", "128x128", "1024x1024"], done.stdout
     for row in rows:
-        values = [float(v) for v in row[1:-1]]
-        ranks, forward, in_place, persistent, floor, backward, step, distdl, bare = values[:9]
-        assert ranks == 2 and min(values[1:9]) > 0
-        ratios = values[9:]
+        values = [float(v) for v in row[1:11]]
+        ranks, forward, in_place, persistent, floor, backward, bare_backward, step, distdl, bare = values
+        assert ranks == 2 and min(values[1:]) > 0
+        ratios = [float(v) for v in (*row[11:15], row[16])]
         expected = [forward / persistent, in_place / persistent, forward / floor, backward / forward, step / distdl]
         assert all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(ratios, expected, strict=True)), row
+        own = (backward - bare_backward) / forward if backward > bare_backward else None
+        assert row[15] == "n/a" if own is None else math.isclose(float(row[15]), own, rel_tol=0.05), row
         share = (step - bare) / (distdl - bare) if step > bare and distdl > bare else None
-        assert row[-1] == "n/a" if share is None else math.isclose(float(row[-1]), share, rel_tol=0.05), row
+        assert row[17] == "n/a" if share is None else math.isclose(float(row[17]), share, rel_tol=0.05), row
+        assert len(row) == 18, row
     assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
 
 
