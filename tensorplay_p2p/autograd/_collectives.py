@@ -90,7 +90,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _AllReduce.forward(tangent, ctx.pg, ctx.avg)
+        return apply(_AllReduce, tangent, ctx.pg, ctx.avg)
 
 
 @twinned
@@ -109,7 +109,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _fresh(tangent)
+        return apply(_CopyTo, tangent, ctx.pg)
 
 
 @twinned
@@ -128,7 +128,7 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _AllReduce.forward(tangent, ctx.pg, False)
+        return apply(_ReduceFrom, tangent, ctx.pg)
 
 
 @twinned
@@ -149,7 +149,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _Broadcast.forward(tangent, ctx.pg, ctx.root)
+        return apply(_Broadcast, tangent, ctx.pg, ctx.root)
 
 
 @twinned
@@ -172,7 +172,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _Reduce.forward(tangent, ctx.pg, ctx.root)
+        return apply(_Reduce, tangent, ctx.pg, ctx.root)
 
 
 @twinned
@@ -194,7 +194,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _AllGather.forward(tangent, ctx.pg)
+        return apply(_AllGather, tangent, ctx.pg)
 
 
 @twinned
@@ -218,7 +218,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[1 : 1 + ctx.pg.size()]]
-        return _ReduceScatter.forward(ctx.pg, *parts)
+        return apply(_ReduceScatter, ctx.pg, *parts)
 
 
 @twinned
@@ -240,7 +240,7 @@ class _AllGatherTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _AllGatherTensor.forward(tangent, ctx.pg)
+        return apply(_AllGatherTensor, tangent, ctx.pg)
 
 
 @twinned
@@ -262,7 +262,7 @@ class _ReduceScatterTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _ReduceScatterTensor.forward(tangent, ctx.pg)
+        return apply(_ReduceScatterTensor, tangent, ctx.pg)
 
 
 @twinned
@@ -284,7 +284,7 @@ class _AllToAllSingle(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _AllToAllSingle.forward(tangent, ctx.pg, ctx.out_splits, ctx.in_splits)
+        return apply(_AllToAllSingle, tangent, ctx.pg, ctx.out_splits, ctx.in_splits)
 
 
 @twinned
@@ -308,7 +308,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[2 : 2 + ctx.pg.size()]]
-        return _Scatter.forward(ctx.pg, ctx.root, *parts)
+        return apply(_Scatter, ctx.pg, ctx.root, *parts)
 
 
 @twinned
@@ -334,7 +334,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return _Gather.forward(tangent, ctx.pg, ctx.root)
+        return apply(_Gather, tangent, ctx.pg, ctx.root)
 
 
 def _group(group: Any, what: str) -> ProcessGroup:

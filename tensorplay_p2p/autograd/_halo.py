@@ -254,7 +254,8 @@ class Plan:
             with self._lock:
                 part = self._passes.get(key)
                 if part is None:
-                    part = self._passes[key] = _Pass(self, key[0], backward)
+                    with torch._C._DisableFuncTorch():  # buffers of no program: no transform wraps them
+                        part = self._passes[key] = _Pass(self, key[0], backward)
         except BaseException:
             self._release(call, backward, None)
             raise
@@ -404,7 +405,8 @@ def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
     plans = _plans.setdefault(group, {})
     plan = plans.get(key)
     if plan is None or plan.side.group.communicator is None:
-        plan = Plan(group, key[0], x.dtype, x.device, widths, bool(corners))
+        with torch._C._DisableFuncTorch():  # under torch.func's transforms, its index maps stay plain tensors
+            plan = Plan(group, key[0], x.dtype, x.device, widths, bool(corners))
         if len(plans) >= _KEEP:
             del plans[next(iter(plans))]
         plans[key] = plan
@@ -442,7 +444,7 @@ class _Fill(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return ctx.plan.applied(tangent, ctx.call, adjoint=False)
+        return apply(_Fill, tangent, ctx.plan, ctx.call)
 
 
 @twinned
@@ -463,7 +465,7 @@ class _AddBack(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return ctx.plan.applied(tangent, ctx.call, adjoint=True)
+        return apply(_AddBack, tangent, ctx.plan, ctx.call)
 
 
 @twinned
@@ -492,10 +494,12 @@ class _FillInPlace(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        if tangent.is_contiguous():
+        # the tangent in place, as torch wants it for a dirty input: by the pass itself where nothing differentiates
+        # the tangent, else by a copy of the differentiable op (reverse over forward mode, under a transform)
+        if tangent.is_contiguous() and not tangent.requires_grad and not torch._C._are_functorch_transforms_active():
             ctx.plan.run(tangent, ctx.call, False)
         else:
-            tangent.copy_(ctx.plan.applied(tangent, ctx.call, adjoint=False))
+            tangent.copy_(apply(_Fill, tangent, ctx.plan, ctx.call))
         return tangent
 
 
@@ -603,8 +607,8 @@ class _Start(torch.autograd.Function):
         return (grad, *([None] * ctx.extra))
 
     @staticmethod
-    def jvp(ctx: Any, *_: Any) -> Any:
-        return None
+    def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
+        return tangent.new_empty(0)  # the token's (empty) tangent: torch cannot carry None for a float output
 
 
 @twinned
@@ -637,7 +641,7 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return ctx.plan.applied(tangent, ctx.call, adjoint=False)
+        return apply(_Fill, tangent, ctx.plan, ctx.call)
 
 
 class HaloRequest:

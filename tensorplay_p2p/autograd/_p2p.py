@@ -109,7 +109,7 @@ class _Batch(torch.autograd.Function):
             torch.zeros(m.shape, dtype=m.dtype, device=m.device) if t is None else t
             for m, t in zip(sending, given, strict=True)
         ]
-        return tuple(_post(ctx.pg, ctx.messages, sent))
+        return apply(_Batch, ctx.pg, ctx.messages, *sent)  # the batch itself: a transform above differentiates it
 
 
 def _adjoint(pg: ProcessGroup, messages: tuple[_Message, ...], grads: Sequence[Any]) -> list[Any]:

@@ -1,11 +1,11 @@
 """Distributed models against the same model in one process: convolutions on halo-exchanged blocks (output, input
 gradient, weight gradient) in 1, 2 and 3 dimensions, and an unrolled heat-equation simulator (gradients with respect
-to the initial field and the diffusivity, and a Hessian-vector product); torch.func and torch.compile on top."""
+to the initial field and the diffusivity, and a Hessian-vector product).  torch.func's transforms are tested in
+test_func_transforms.py, torch.compile in the jobs."""
 
 from __future__ import annotations
 
 import pytest
-from world import RANK
 
 import tensorplay_p2p as dist
 
@@ -98,18 +98,3 @@ def test_heat_simulator_gradients_and_hessian_vector_product_equal_one_process()
     torch.testing.assert_close(lu[1:-1, 1:-1], gu[1:-1, 1:-1][block], rtol=0, atol=1e-10)
     torch.testing.assert_close(la, ga, rtol=1e-10, atol=0)
     torch.testing.assert_close(hv[1:-1, 1:-1], serial_hv[1:-1, 1:-1][block], rtol=0, atol=1e-10)
-
-
-def test_torch_func_grad_and_jvp() -> None:
-    cart = dist.new_cart_group((0,), True)
-    x = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
-
-    def f(t: torch.Tensor) -> torch.Tensor:
-        return (ag.halo_exchange(t, cart, 1) ** 2).sum()
-
-    eager = x.clone().requires_grad_(True)
-    f(eager).backward()
-    torch.testing.assert_close(torch.func.grad(f)(x), eager.grad)
-    tangent = torch.ones(6, dtype=torch.float64) * (RANK + 1)
-    _, jvp = torch.func.jvp(lambda t: ag.halo_exchange(t, cart, 1), (x,), (tangent,))
-    assert torch.equal(jvp, ag.halo_exchange(tangent, cart, 1).detach())

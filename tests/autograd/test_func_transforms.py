@@ -1,0 +1,125 @@
+"""torch.func's transforms over every differentiable op, each op's shapes first seen under the transform: ``jvp``
+against the op on the tangent, ``grad`` against eager autograd, and a Hessian-vector product three ways (forward over
+reverse, reverse over forward, reverse over reverse) against eager double backward; and forward-mode AD through the
+split halo exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from world import NEXT, PREV, RANK, SIZE
+
+import tensorplay_p2p as dist
+
+torch = pytest.importorskip("torch")
+import torch.autograd.forward_ad as fwad  # noqa: E402
+
+from tensorplay_p2p import autograd as ag  # noqa: E402
+
+# torch's forward-mode AD loads its decompositions through torch.jit, which warns
+pytestmark = [
+    pytest.mark.mpi(min_size=1),
+    pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script` is deprecated:DeprecationWarning"),
+]
+
+LAST = SIZE - 1
+SHAPE = (4 * SIZE, 3)  # divisible by the world's size (the scattering ops), and a block for one ghost layer
+
+
+def _parts(t: Any) -> list[Any]:
+    """One tensor per member, each a different function of ``t``."""
+    return [t * (k + 1) for k in range(SIZE)]
+
+
+def _op(name: str, cart: dist.CartGroup) -> Callable[[Any], Any]:
+    """The op ``name`` as a map of one tensor of ``SHAPE`` to one tensor."""
+    ops: dict[str, Callable[[Any], Any]] = {
+        "halo_exchange": lambda t: ag.halo_exchange(t, cart, 1, True),
+        "halo_exchange_": lambda t: ag.halo_exchange_(t * 1.0, cart, 1, True),
+        "halo_exchange_start": lambda t: ag.halo_exchange_start(t, cart, 1, True).wait(),
+        "sendrecv": lambda t: ag.sendrecv(t, NEXT, PREV, tag=3),
+        "batch_isend_irecv": lambda t: ag.batch_isend_irecv(
+            [dist.P2POp(dist.isend, t, NEXT), dist.P2POp(dist.irecv, torch.empty_like(t), PREV)]
+        )[0],
+        "all_reduce": lambda t: ag.all_reduce(t),
+        "all_reduce avg": lambda t: ag.all_reduce(t, dist.ReduceOp.AVG),
+        "copy_to_group": lambda t: ag.copy_to_group(t),
+        "reduce_from_group": lambda t: ag.reduce_from_group(t),
+        "broadcast": lambda t: ag.broadcast(t, LAST),
+        "reduce": lambda t: ag.reduce(t, 0),
+        "all_gather": lambda t: torch.cat(ag.all_gather(t)),
+        "reduce_scatter": lambda t: ag.reduce_scatter(_parts(t)),
+        "all_gather_into_tensor": lambda t: ag.all_gather_into_tensor(t),
+        "reduce_scatter_tensor": lambda t: ag.reduce_scatter_tensor(t),
+        "all_to_all_single": lambda t: ag.all_to_all_single(t),
+        "scatter": lambda t: ag.scatter(_parts(t), LAST),
+        "gather": lambda t: torch.cat(ag.gather(t, 0)),
+    }
+    return ops[name]
+
+
+NAMES = (
+    "halo_exchange",
+    "halo_exchange_",
+    "halo_exchange_start",
+    "sendrecv",
+    "batch_isend_irecv",
+    "all_reduce",
+    "all_reduce avg",
+    "copy_to_group",
+    "reduce_from_group",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "scatter",
+    "gather",
+)
+
+
+def _random(seed: int) -> Any:
+    return torch.randn(*SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * seed + RANK))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_transform_on_shapes_first_seen_under_it(name: str) -> None:
+    """The transforms run first, on a new grid (so the halo plans are built under them), then eager autograd."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    x, v = _random(1), _random(2)
+
+    def loss(t: Any) -> Any:
+        return (op(t * t) ** 2).sum()  # not linear: its Hessian is no multiple of the identity
+
+    _, tangent = torch.func.jvp(op, (x,), (v,))
+    grad = torch.func.grad(loss)(x)
+    _, forward_over_reverse = torch.func.jvp(torch.func.grad(loss), (x,), (v,))
+    reverse_over_forward = torch.func.grad(lambda t: torch.func.jvp(loss, (t,), (v,))[1])(x)
+    reverse_over_reverse = torch.func.grad(lambda t: (torch.func.grad(loss)(t) * v).sum())(x)
+
+    assert torch.equal(tangent, op(v).detach())  # a linear op's tangent is the op of the tangent
+    eager = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(loss(eager), eager, create_graph=True)
+    (hvp,) = torch.autograd.grad(want, eager, v)
+    torch.testing.assert_close(grad, want.detach(), rtol=1e-13, atol=1e-13)
+    for name_, got in (
+        ("forward over reverse", forward_over_reverse),
+        ("reverse over forward", reverse_over_forward),
+        ("reverse over reverse", reverse_over_reverse),
+    ):
+        torch.testing.assert_close(got, hvp, rtol=1e-12, atol=1e-12, msg=lambda m, n=name_: f"{n}: {m}")
+
+
+def test_forward_mode_through_the_split_halo_exchange() -> None:
+    """The start's output is an empty token; its tangent is an empty tensor too (torch cannot carry None for it)."""
+    cart = dist.new_cart_group((0,), True)
+    x, v = _random(3), _random(4)
+    with fwad.dual_level():
+        y = ag.halo_exchange_start(fwad.make_dual(x, v), cart, 1).wait()
+        primal, tangent = fwad.unpack_dual(y)
+    assert torch.equal(primal, ag.halo_exchange(x, cart, 1).detach())
+    assert tangent is not None and torch.equal(tangent, ag.halo_exchange(v, cart, 1).detach())
