@@ -74,6 +74,8 @@ def _average(op: Any, what: str) -> bool:
 
 @twinned
 class _AllReduce(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, avg: bool, *anchor: Any) -> Any:
         y = _fresh(x)
@@ -95,6 +97,8 @@ class _AllReduce(torch.autograd.Function):
 
 @twinned
 class _CopyTo(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, *anchor: Any) -> Any:
         return _fresh(x)
@@ -114,6 +118,8 @@ class _CopyTo(torch.autograd.Function):
 
 @twinned
 class _ReduceFrom(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, *anchor: Any) -> Any:
         return _AllReduce.forward(x, pg, False)
@@ -133,6 +139,8 @@ class _ReduceFrom(torch.autograd.Function):
 
 @twinned
 class _Broadcast(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, root: int, *anchor: Any) -> Any:
         y = _fresh(x)
@@ -154,6 +162,8 @@ class _Broadcast(torch.autograd.Function):
 
 @twinned
 class _Reduce(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, root: int, *anchor: Any) -> Any:
         y = _fresh(x)
@@ -177,6 +187,8 @@ class _Reduce(torch.autograd.Function):
 
 @twinned
 class _AllGather(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, *anchor: Any) -> Any:
         x = x.contiguous()
@@ -199,6 +211,9 @@ class _AllGather(torch.autograd.Function):
 
 @twinned
 class _ReduceScatter(torch.autograd.Function):
+    batch_dim = 0
+    tensors = staticmethod(lambda args: range(1, 1 + args[0].size()))
+
     @staticmethod
     def forward(pg: ProcessGroup, *inputs: Any) -> Any:
         parts = [x.contiguous() for x in inputs[: pg.size()]]
@@ -223,6 +238,8 @@ class _ReduceScatter(torch.autograd.Function):
 
 @twinned
 class _AllGatherTensor(torch.autograd.Function):
+    batch_dim = 1
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, *anchor: Any) -> Any:
         x = x.contiguous()
@@ -245,6 +262,8 @@ class _AllGatherTensor(torch.autograd.Function):
 
 @twinned
 class _ReduceScatterTensor(torch.autograd.Function):
+    batch_dim = 1
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, *anchor: Any) -> Any:
         x = x.contiguous()
@@ -267,6 +286,8 @@ class _ReduceScatterTensor(torch.autograd.Function):
 
 @twinned
 class _AllToAllSingle(torch.autograd.Function):
+    batch_dim = 1
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, out_splits: tuple[int, ...], in_splits: tuple[int, ...], *anchor: Any) -> Any:
         x = x.contiguous()
@@ -289,6 +310,9 @@ class _AllToAllSingle(torch.autograd.Function):
 
 @twinned
 class _Scatter(torch.autograd.Function):
+    batch_dim = 0
+    tensors = staticmethod(lambda args: range(2, 2 + args[0].size()))
+
     @staticmethod
     def forward(pg: ProcessGroup, root: int, *inputs: Any) -> Any:
         parts = [x.contiguous() for x in inputs[: pg.size()]]
@@ -313,6 +337,8 @@ class _Scatter(torch.autograd.Function):
 
 @twinned
 class _Gather(torch.autograd.Function):
+    batch_dim = 0
+
     @staticmethod
     def forward(x: Any, pg: ProcessGroup, root: int, *anchor: Any) -> Any:
         x = x.contiguous()

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["apply", "twinned"]
+__all__ = ["apply", "batch_moved", "twinned"]
 
 F = TypeVar("F", bound=type)
 
@@ -26,9 +26,16 @@ def twinned(cls: F) -> F:
     """Give ``cls`` (a ``setup_context``-style autograd Function) its ``ctx``-first twin, as ``cls.eager``.
 
     A Function whose forward writes inputs in place (and marks them dirty) names their positions in ``cls.modifies``:
-    where ``apply`` calls the forward alone, it moves their version counters on, as ``mark_dirty`` would."""
+    where ``apply`` calls the forward alone, it moves their version counters on, as ``mark_dirty`` would.
+
+    A Function whose forward is linear in its tensors and carries one of their dimensions along untouched names it
+    in ``cls.batch_dim`` (0, 1, or -1: the last) and its tensors' positions in ``cls.tensors(args)`` (default: the
+    first argument); it gets the vmap rule that runs it once on the whole batch, held at that dimension (unless it
+    has a ``vmap`` of its own)."""
     if "modifies" not in vars(cls):
         cls.modifies = ()  # type: ignore[attr-defined]
+    if "batch_dim" in vars(cls) and "vmap" not in vars(cls):
+        cls.vmap = staticmethod(_batched(cls))  # type: ignore[attr-defined]
     forward, setup_context = cls.forward, cls.setup_context  # type: ignore[attr-defined]
     backward, jvp = cls.backward, cls.jvp  # type: ignore[attr-defined]
 
@@ -50,6 +57,43 @@ def twinned(cls: F) -> F:
     cls.eager = twin  # type: ignore[attr-defined]
     cls.direct = _direct(twin)  # type: ignore[attr-defined]
     return cls
+
+
+def _first(args: tuple[Any, ...]) -> range:
+    return range(1)
+
+
+def batch_moved(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], tensors: range, dim: int) -> list[Any]:
+    """A vmap rule's arguments with the batch at ``dim`` of each tensor at ``tensors`` (one without it given it, by
+    an expanded view: every tensor a batch sends carries the batch alike on every member)."""
+    given = list(args)
+    for i in tensors:
+        t, d = args[i], in_dims[i]
+        if d is None:
+            t, d = t.unsqueeze(0).expand(info.batch_size, *t.shape), 0
+        given[i] = t.movedim(d, dim)
+    return given
+
+
+def _out_dims(output: Any, dim: int) -> Any:
+    if isinstance(output, tuple):
+        return tuple(_out_dims(o, dim) for o in output)
+    return output.dim() - 1 if dim == -1 else dim
+
+
+def _batched(cls: Any) -> Any:
+    """The vmap rule of ``cls`` (see ``twinned``)."""
+    dim: int = cls.batch_dim
+    tensors = getattr(cls, "tensors", _first)
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        positions = tensors(args)
+        if all(in_dims[i] is None for i in positions):
+            return apply(cls, *args), None
+        output = apply(cls, *batch_moved(info, in_dims, args, positions, dim))
+        return output, _out_dims(output, dim)
+
+    return vmap
 
 
 def _direct(twin: Any) -> Any:

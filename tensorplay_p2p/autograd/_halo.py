@@ -34,7 +34,7 @@ from .._src.persistent.plan import P2PPlan
 from .._src.process.groups import to_int
 from .._src.settings import state
 from . import _graph
-from ._function import apply, twinned
+from ._function import apply, batch_moved, twinned
 from ._side import HALO_DIRECTIONS, Side, complete, side
 
 __all__ = ["HaloRequest", "Plan", "halo_exchange", "halo_exchange_", "halo_exchange_start", "plan_for", "widths_of"]
@@ -425,6 +425,20 @@ def number(plan: Plan) -> int:
     return call
 
 
+def _physical(plan: Plan, x: Any) -> Plan:
+    """The plan for ``x``: a batch of ``plan``'s blocks, the batch last (a trailing dimension, which travels along)."""
+    return plan_for(x, plan.group, plan.widths, plan.corners, "halo_exchange")
+
+
+def _batched(cls: Any, info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+    """The vmap rule of ``_Fill`` or ``_AddBack`` (``x, plan, call, *anchor``): one exchange of the whole batch."""
+    if in_dims[0] is None:
+        return apply(cls, *args), None
+    x, plan, call, *anchor = batch_moved(info, in_dims, args, range(1), -1)
+    output = apply(cls, x, _physical(plan, x), call, *anchor)
+    return output, output.dim() - 1
+
+
 @twinned
 class _Fill(torch.autograd.Function):
     """y = H x."""
@@ -441,6 +455,10 @@ class _Fill(torch.autograd.Function):
     def backward(ctx: Any, grad: Any) -> Any:
         _graph.ran(ctx)
         return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        return _batched(_Fill, info, in_dims, args)
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -462,6 +480,10 @@ class _AddBack(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         return apply(_Fill, grad, ctx.plan, ctx.call), None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        return _batched(_AddBack, info, in_dims, args)
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -486,6 +508,14 @@ class _FillInPlace(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.mark_dirty(inputs[0])
         ctx.plan, ctx.call, ctx.extra = inputs[1], inputs[2], len(inputs) - 1
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
+        if in_dims[0] is None:
+            return apply(_FillInPlace, x, plan, call, *anchor), None
+        moved = x.movedim(in_dims[0], -1)  # a view: the exchange writes ``x``
+        apply(_FillInPlace, moved, _physical(plan, moved), call, *anchor)
+        return x, in_dims[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -597,6 +627,13 @@ class _Start(torch.autograd.Function):
         ctx.plan, ctx.call, ctx.flight, ctx.extra = inputs[1], inputs[2], inputs[3], len(inputs) - 1
 
     @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        if in_dims[0] is None:
+            return apply(_Start, *args), None
+        x, plan, call, flight, *anchor = batch_moved(info, in_dims, args, range(1), -1)
+        return apply(_Start, x, _physical(plan, x), call, flight, *anchor), None  # the token has no batch
+
+    @staticmethod
     def backward(ctx: Any, token: Any) -> Any:
         pending, ctx.flight.backward = ctx.flight.backward, None
         if pending is None:  # the finish's backward did the whole adjoint (a second-order pass)
@@ -629,6 +666,14 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.plan, ctx.call, ctx.flight = inputs[2], inputs[3], inputs[4]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        if in_dims[0] is None:
+            return apply(_Finish, *args), None
+        x, token, plan, call, flight = batch_moved(info, in_dims, args, range(1), -1)
+        output = apply(_Finish, x, token, _physical(plan, x), call, flight)  # the start's plan: the same batch
+        return output, output.dim() - 1
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:

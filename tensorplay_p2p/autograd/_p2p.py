@@ -10,7 +10,7 @@ their backward passes in other orders (each backward batch still waits for what 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from mpi4py import MPI
 from .._src.p2p import ops as p2p
 from .._src.process.groups import ProcessGroup, to_int
 from . import _graph
-from ._function import apply, twinned
+from ._function import apply, batch_moved, twinned
 from ._side import Side, complete, largest_p2p_tag, package_group, side
 
 __all__ = ["batch_isend_irecv", "sendrecv"]
@@ -110,6 +110,17 @@ class _Batch(torch.autograd.Function):
             for m, t in zip(sending, given, strict=True)
         ]
         return apply(_Batch, ctx.pg, ctx.messages, *sent)  # the batch itself: a transform above differentiates it
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
+        """One batch of messages for the whole vmapped batch, which leads each tensor: each send carries it (expanded
+        where its tensor has none), and each receive gets it."""
+        positions = range(2, 2 + sum(m.sends for m in messages))
+        if all(in_dims[i] is None for i in positions):
+            return apply(_Batch, pg, messages, *inputs), None
+        _, _, *sent = batch_moved(info, in_dims, (pg, messages, *inputs), positions, 0)
+        batched = tuple(replace(m, shape=(info.batch_size, *m.shape)) for m in messages)
+        return apply(_Batch, pg, batched, *sent), tuple(None if m.sends else 0 for m in messages)
 
 
 def _adjoint(pg: ProcessGroup, messages: tuple[_Message, ...], grads: Sequence[Any]) -> list[Any]:
