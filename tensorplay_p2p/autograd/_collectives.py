@@ -92,7 +92,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllReduce, tangent, ctx.pg, ctx.avg)
+        return apply(_AllReduce, tangent, ctx.pg, ctx.avg, *_anchor())
 
 
 @twinned
@@ -113,7 +113,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_CopyTo, tangent, ctx.pg)
+        return apply(_CopyTo, tangent, ctx.pg, *_anchor())
 
 
 @twinned
@@ -134,7 +134,7 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_ReduceFrom, tangent, ctx.pg)
+        return apply(_ReduceFrom, tangent, ctx.pg, *_anchor())
 
 
 @twinned
@@ -157,7 +157,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Broadcast, tangent, ctx.pg, ctx.root)
+        return apply(_Broadcast, tangent, ctx.pg, ctx.root, *_anchor())
 
 
 @twinned
@@ -182,7 +182,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Reduce, tangent, ctx.pg, ctx.root)
+        return apply(_Reduce, tangent, ctx.pg, ctx.root, *_anchor())
 
 
 @twinned
@@ -206,7 +206,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllGather, tangent, ctx.pg)
+        return apply(_AllGather, tangent, ctx.pg, *_anchor())
 
 
 @twinned
@@ -233,7 +233,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[1 : 1 + ctx.pg.size()]]
-        return apply(_ReduceScatter, ctx.pg, *parts)
+        return apply(_ReduceScatter, ctx.pg, *parts, *_anchor())
 
 
 @twinned
@@ -257,7 +257,7 @@ class _AllGatherTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllGatherTensor, tangent, ctx.pg)
+        return apply(_AllGatherTensor, tangent, ctx.pg, *_anchor())
 
 
 @twinned
@@ -281,7 +281,7 @@ class _ReduceScatterTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_ReduceScatterTensor, tangent, ctx.pg)
+        return apply(_ReduceScatterTensor, tangent, ctx.pg, *_anchor())
 
 
 @twinned
@@ -305,7 +305,7 @@ class _AllToAllSingle(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllToAllSingle, tangent, ctx.pg, ctx.out_splits, ctx.in_splits)
+        return apply(_AllToAllSingle, tangent, ctx.pg, ctx.out_splits, ctx.in_splits, *_anchor())
 
 
 @twinned
@@ -332,7 +332,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[2 : 2 + ctx.pg.size()]]
-        return apply(_Scatter, ctx.pg, ctx.root, *parts)
+        return apply(_Scatter, ctx.pg, ctx.root, *parts, *_anchor())
 
 
 @twinned
@@ -360,7 +360,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Gather, tangent, ctx.pg, ctx.root)
+        return apply(_Gather, tangent, ctx.pg, ctx.root, *_anchor())
 
 
 def _group(group: Any, what: str) -> ProcessGroup:

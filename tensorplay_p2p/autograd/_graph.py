@@ -82,15 +82,18 @@ def guard(node: Any, tensor: Any, substitute: Callable[[], Any]) -> None:
 
 
 class _Handle:
-    """What removes a hook ``_hook`` put in a tensor's hook dict."""
+    """What removes a hook ``_hook`` put in a tensor's hook dict; it holds the dict weakly, as torch's handle does (the
+    hook holds its handle: a strong reference would make a cycle of every guard never resolved)."""
 
     __slots__ = ("hooks", "key")
 
     def __init__(self, hooks: Any, key: Any) -> None:
-        self.hooks, self.key = hooks, key
+        self.hooks, self.key = weakref.ref(hooks), key
 
     def remove(self) -> None:
-        self.hooks.pop(self.key, None)
+        hooks = self.hooks()
+        if hooks is not None:
+            hooks.pop(self.key, None)
 
 
 _has_torch_function = torch._C._has_torch_function_unary

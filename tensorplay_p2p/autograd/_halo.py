@@ -439,6 +439,13 @@ def _batched(cls: Any, info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...
     return output, output.dim() - 1
 
 
+def _tangent(tangent: Any, plan: Plan) -> Any:
+    """H t, the tangent of an exchange's forward: an exchange of its own (a call number of its own, so that its
+    backward, in reverse over forward mode, meets its own messages and not the primal's), differentiable, anchored
+    as any exchange is."""
+    return apply(_Fill, tangent, plan, number(plan), *_anchored(tangent))
+
+
 @twinned
 class _Fill(torch.autograd.Function):
     """y = H x."""
@@ -462,7 +469,7 @@ class _Fill(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Fill, tangent, ctx.plan, ctx.call)
+        return _tangent(tangent, ctx.plan)
 
 
 @twinned
@@ -524,12 +531,12 @@ class _FillInPlace(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        # the tangent in place, as torch wants it for a dirty input: by the pass itself where nothing differentiates
-        # the tangent, else by a copy of the differentiable op (reverse over forward mode, under a transform)
-        if tangent.is_contiguous() and not tangent.requires_grad and not torch._C._are_functorch_transforms_active():
-            ctx.plan.run(tangent, ctx.call, False)
+        # the tangent in place, as torch wants it for a dirty input: by the pass itself where nothing can differentiate
+        # the tangent, else by a copy of the differentiable op (reverse over forward mode; under a transform)
+        if not torch.is_grad_enabled() and tangent.is_contiguous() and not torch._C._are_functorch_transforms_active():
+            ctx.plan.run(tangent, number(ctx.plan), False)
         else:
-            tangent.copy_(apply(_Fill, tangent, ctx.plan, ctx.call))
+            tangent.copy_(_tangent(tangent, ctx.plan))
         return tangent
 
 
@@ -686,7 +693,7 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Fill, tangent, ctx.plan, ctx.call)
+        return _tangent(tangent, ctx.plan)
 
 
 class HaloRequest:

@@ -20,7 +20,7 @@ from .._src.p2p import ops as p2p
 from .._src.process.groups import ProcessGroup, to_int
 from . import _graph
 from ._function import apply, batch_moved, twinned
-from ._side import Side, complete, largest_p2p_tag, package_group, side
+from ._side import Side, complete, largest_p2p_tag, owner, package_group, side
 
 __all__ = ["batch_isend_irecv", "sendrecv"]
 
@@ -109,7 +109,10 @@ class _Batch(torch.autograd.Function):
             torch.zeros(m.shape, dtype=m.dtype, device=m.device) if t is None else t
             for m, t in zip(sending, given, strict=True)
         ]
-        return apply(_Batch, ctx.pg, ctx.messages, *sent)  # the batch itself: a transform above differentiates it
+        # the batch itself, so that a transform above differentiates it, with adjoint tags of its own (its backward,
+        # in reverse over forward mode, must meet its own messages, not the primal's), anchored as any batch is
+        anchor = (_graph.anchor(),) if torch.is_grad_enabled() else ()
+        return apply(_Batch, ctx.pg, _renumbered(ctx.pg, ctx.messages), *sent, *anchor)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
@@ -121,6 +124,16 @@ class _Batch(torch.autograd.Function):
         _, _, *sent = batch_moved(info, in_dims, (pg, messages, *inputs), positions, 0)
         batched = tuple(replace(m, shape=(info.batch_size, *m.shape)) for m in messages)
         return apply(_Batch, pg, batched, *sent), tuple(None if m.sends else 0 for m in messages)
+
+
+def _renumbered(pg: ProcessGroup, messages: tuple[_Message, ...]) -> tuple[_Message, ...]:
+    """``messages`` (of a forward batch on side group ``pg``) with the adjoint tags of the next messages of their tags
+    and peers: those of a batch of their own.  An adjoint batch's messages (numbered already) stay as they are."""
+    s = owner(pg)
+    return tuple(
+        m if m.tag & 1 else replace(m, adjoint_tag=Side.p2p_tag(m.tag >> 2, s.number(m.peer, m.tag >> 2, not m.sends)))
+        for m in messages
+    )
 
 
 def _adjoint(pg: ProcessGroup, messages: tuple[_Message, ...], grads: Sequence[Any]) -> list[Any]:

@@ -32,7 +32,7 @@ from .._src.process.groups import ProcessGroup
 from .._src.process.runtime import tag_upper_bound
 from .._src.settings import state
 
-__all__ = ["HALO_DIRECTIONS", "P2P_WINDOW", "Side", "complete", "largest_p2p_tag", "package_group", "side"]
+__all__ = ["HALO_DIRECTIONS", "P2P_WINDOW", "Side", "complete", "largest_p2p_tag", "owner", "package_group", "side"]
 
 HALO_DIRECTIONS = 32  # room for the 26 directions of a 3-D grid with corners
 P2P_WINDOW = 64  # messages of one tag between two processes whose adjoints may run in any order
@@ -95,6 +95,14 @@ def side(pg: ProcessGroup) -> Side:
         if found is None or found.group.communicator is None:
             found = _sides[pg] = Side(groups.duplicate(pg, f"{pg.name}:autograd"))
     return found
+
+
+def owner(duplicate: ProcessGroup) -> Side:
+    """The side whose duplicate group ``duplicate`` is."""
+    for found in list(_sides.values()):
+        if found.group is duplicate:
+            return found
+    raise LookupError(f"{duplicate.describe()} is no side group")
 
 
 def package_group(group: Any, what: str) -> ProcessGroup:
