@@ -191,23 +191,6 @@ def test_a_batch_size_that_differs_between_processes_is_a_size_error() -> None:
     assert torch.equal(ag.sendrecv(torch.full((2,), float(RANK)), NEXT, PREV), torch.full((2,), float(PREV)))
 
 
-@pytest.mark.parametrize("name", ["halo_exchange", "halo_exchange_", "sendrecv", "all_reduce", "scatter"])
-def test_reverse_over_forward_mode_with_tangents_that_need_a_gradient_on_some_processes(name: str) -> None:
-    """Eager forward mode, then backward through primal and tangent: the tangent's op records its node on every
-    process (it is anchored as any op is), so processes whose tangent needs no gradient still send theirs."""
-    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
-    x = _random(7).requires_grad_(True)
-    v = _random(8).requires_grad_(RANK % 2 == 0)
-    with fwad.dual_level():
-        primal, tangent = fwad.unpack_dual(op(fwad.make_dual(x * 1.0, v * 1.0)))
-    ((primal * 2.0).sum() + (tangent * 3.0).sum()).backward()
-    ones = torch.ones(SHAPE, dtype=torch.float64)
-    leaf = ones.clone().requires_grad_(True)
-    (op(leaf) * 1.0).sum().backward()  # the op's adjoint of ones, on every process
-    assert torch.equal(x.grad, 2.0 * leaf.grad)  # type: ignore[arg-type,operator]
-    assert torch.equal(v.grad, 3.0 * leaf.grad) if RANK % 2 == 0 else v.grad is None  # type: ignore[arg-type,operator]
-
-
 def test_a_tangent_s_messages_have_adjoint_tags_of_their_own() -> None:
     """In eager forward mode the tangent's batch is a batch of its own: its backward's tags are not the primal's
     (which they were: two processes running the two backward passes in different orders swapped the gradients), and
