@@ -33,7 +33,8 @@ def anchor() -> Any:
     """The leaf every differentiable op takes as its last input in grad mode; it never receives a gradient."""
     global _anchor
     if _anchor is None:
-        _anchor = torch.zeros((), requires_grad=True)
+        with torch._C._DisableFuncTorch():  # made under a torch.func transform, it would be that transform's, and die
+            _anchor = torch.zeros((), requires_grad=True)
     return _anchor
 
 

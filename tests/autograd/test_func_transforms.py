@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 import torch.autograd.forward_ad as fwad  # noqa: E402
 
 from tensorplay_p2p import autograd as ag  # noqa: E402
+from tensorplay_p2p.autograd import _graph  # noqa: E402
 
 # torch's forward-mode AD loads its decompositions through torch.jit, which warns
 pytestmark = [
@@ -191,6 +192,23 @@ def test_a_batch_size_that_differs_between_processes_is_a_size_error() -> None:
     assert torch.equal(ag.sendrecv(torch.full((2,), float(RANK)), NEXT, PREV), torch.full((2,), float(PREV)))
 
 
+@pytest.mark.parametrize("name", ["halo_exchange", "halo_exchange_", "sendrecv", "all_reduce", "scatter"])
+def test_reverse_over_forward_mode_with_tangents_that_need_a_gradient_on_some_processes(name: str) -> None:
+    """Eager forward mode, then backward through primal and tangent: the tangent's op records its node on every
+    process (it is anchored as any op is), so processes whose tangent needs no gradient still send theirs."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    x = _random(7).requires_grad_(True)
+    v = _random(8).requires_grad_(RANK % 2 == 0)
+    with fwad.dual_level():
+        primal, tangent = fwad.unpack_dual(op(fwad.make_dual(x * 1.0, v * 1.0)))
+    ((primal * 2.0).sum() + (tangent * 3.0).sum()).backward()
+    ones = torch.ones(SHAPE, dtype=torch.float64)
+    leaf = ones.clone().requires_grad_(True)
+    (op(leaf) * 1.0).sum().backward()  # the op's adjoint of ones, on every process
+    assert torch.equal(x.grad, 2.0 * leaf.grad)  # type: ignore[arg-type,operator]
+    assert torch.equal(v.grad, 3.0 * leaf.grad) if RANK % 2 == 0 else v.grad is None  # type: ignore[arg-type,operator]
+
+
 def test_a_tangent_s_messages_have_adjoint_tags_of_their_own() -> None:
     """In eager forward mode the tangent's batch is a batch of its own: its backward's tags are not the primal's
     (which they were: two processes running the two backward passes in different orders swapped the gradients), and
@@ -210,3 +228,16 @@ def test_a_tangent_s_messages_have_adjoint_tags_of_their_own() -> None:
     assert tags[0] and tags[1] and not tags[0] & tags[1]
     ((primal * 2.0).sum() + (tangent * 3.0).sum()).backward()
     assert x.grad.tolist() == [2.0] * 2 and v.grad.tolist() == [3.0] * 2  # type: ignore[union-attr]
+
+
+def test_the_anchor_made_under_a_transform_still_anchors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hidden leaf made at a program's first op under torch.func is a plain tensor, not the transform's (which
+    died with it, so mixed requires_grad left some processes without a node, and their peers waiting)."""
+    monkeypatch.setattr(_graph, "_anchor", None)
+    torch.func.grad(lambda t: ag.all_reduce(t).sum())(_random(9))  # the anchor is made here
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(_graph._anchor) and _graph._anchor.requires_grad
+    x = torch.ones(2, dtype=torch.float64, requires_grad=RANK % 2 == 0)
+    y = ag.all_reduce(x)
+    assert y.requires_grad  # on every process: its backward joins the others'
+    y.sum().backward()
+    assert x.grad is None if RANK % 2 else x.grad.tolist() == [float(SIZE)] * 2
