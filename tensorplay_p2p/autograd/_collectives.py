@@ -45,10 +45,6 @@ __all__ = [
 ]
 
 
-def _anchor() -> tuple[Any, ...]:
-    return (_graph.anchor(),) if torch.is_grad_enabled() else ()
-
-
 def _fresh(x: Any) -> Any:
     return x.clone(memory_format=torch.contiguous_format)
 
@@ -92,7 +88,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllReduce, tangent, ctx.pg, ctx.avg, *_anchor())
+        return apply(_AllReduce, tangent, ctx.pg, ctx.avg, *_graph.anchors())
 
 
 @twinned
@@ -113,7 +109,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_CopyTo, tangent, ctx.pg, *_anchor())
+        return apply(_CopyTo, tangent, ctx.pg, *_graph.anchors())
 
 
 @twinned
@@ -134,7 +130,7 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_ReduceFrom, tangent, ctx.pg, *_anchor())
+        return apply(_ReduceFrom, tangent, ctx.pg, *_graph.anchors())
 
 
 @twinned
@@ -157,7 +153,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Broadcast, tangent, ctx.pg, ctx.root, *_anchor())
+        return apply(_Broadcast, tangent, ctx.pg, ctx.root, *_graph.anchors())
 
 
 @twinned
@@ -182,7 +178,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Reduce, tangent, ctx.pg, ctx.root, *_anchor())
+        return apply(_Reduce, tangent, ctx.pg, ctx.root, *_graph.anchors())
 
 
 @twinned
@@ -206,7 +202,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllGather, tangent, ctx.pg, *_anchor())
+        return apply(_AllGather, tangent, ctx.pg, *_graph.anchors())
 
 
 @twinned
@@ -233,7 +229,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[1 : 1 + ctx.pg.size()]]
-        return apply(_ReduceScatter, ctx.pg, *parts, *_anchor())
+        return apply(_ReduceScatter, ctx.pg, *parts, *_graph.anchors())
 
 
 @twinned
@@ -257,7 +253,7 @@ class _AllGatherTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllGatherTensor, tangent, ctx.pg, *_anchor())
+        return apply(_AllGatherTensor, tangent, ctx.pg, *_graph.anchors())
 
 
 @twinned
@@ -281,7 +277,7 @@ class _ReduceScatterTensor(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_ReduceScatterTensor, tangent, ctx.pg, *_anchor())
+        return apply(_ReduceScatterTensor, tangent, ctx.pg, *_graph.anchors())
 
 
 @twinned
@@ -305,7 +301,7 @@ class _AllToAllSingle(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_AllToAllSingle, tangent, ctx.pg, ctx.out_splits, ctx.in_splits, *_anchor())
+        return apply(_AllToAllSingle, tangent, ctx.pg, ctx.out_splits, ctx.in_splits, *_graph.anchors())
 
 
 @twinned
@@ -332,7 +328,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         parts = [_zeros(ctx.like) if t is None else t for t in tangents[2 : 2 + ctx.pg.size()]]
-        return apply(_Scatter, ctx.pg, ctx.root, *parts, *_anchor())
+        return apply(_Scatter, ctx.pg, ctx.root, *parts, *_graph.anchors())
 
 
 @twinned
@@ -360,7 +356,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
-        return apply(_Gather, tangent, ctx.pg, ctx.root, *_anchor())
+        return apply(_Gather, tangent, ctx.pg, ctx.root, *_graph.anchors())
 
 
 def _group(group: Any, what: str) -> ProcessGroup:
@@ -390,7 +386,7 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None) -> Any:
     """
     what = "autograd.all_reduce"
     avg = _average(op, what)
-    return apply(_AllReduce, tensor, _group(group, what), avg, *_anchor())
+    return apply(_AllReduce, tensor, _group(group, what), avg, *_graph.anchors())
 
 
 def copy_to_group(tensor: Any, group: Any = None) -> Any:
@@ -407,7 +403,7 @@ def copy_to_group(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_CopyTo, tensor, _group(group, "autograd.copy_to_group"), *_anchor())
+    return apply(_CopyTo, tensor, _group(group, "autograd.copy_to_group"), *_graph.anchors())
 
 
 def reduce_from_group(tensor: Any, group: Any = None) -> Any:
@@ -424,7 +420,7 @@ def reduce_from_group(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_ReduceFrom, tensor, _group(group, "autograd.reduce_from_group"), *_anchor())
+    return apply(_ReduceFrom, tensor, _group(group, "autograd.reduce_from_group"), *_graph.anchors())
 
 
 def broadcast(tensor: Any, src: int, group: Any = None) -> Any:
@@ -443,7 +439,7 @@ def broadcast(tensor: Any, src: int, group: Any = None) -> Any:
     """
     what = "autograd.broadcast"
     pg = _group(group, what)
-    return apply(_Broadcast, tensor, pg, _root(pg, src, what, "src"), *_anchor())
+    return apply(_Broadcast, tensor, pg, _root(pg, src, what, "src"), *_graph.anchors())
 
 
 def reduce(tensor: Any, dst: int, group: Any = None) -> Any:
@@ -463,7 +459,7 @@ def reduce(tensor: Any, dst: int, group: Any = None) -> Any:
     """
     what = "autograd.reduce"
     pg = _group(group, what)
-    return apply(_Reduce, tensor, pg, _root(pg, dst, what, "dst"), *_anchor())
+    return apply(_Reduce, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors())
 
 
 def all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
@@ -480,7 +476,7 @@ def all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_AllGather, tensor, _group(group, "autograd.all_gather"), *_anchor())  # type: ignore[no-any-return]
+    return apply(_AllGather, tensor, _group(group, "autograd.all_gather"), *_graph.anchors())  # type: ignore[no-any-return]
 
 
 def reduce_scatter(tensors: Sequence[Any], group: Any = None) -> Any:
@@ -500,7 +496,7 @@ def reduce_scatter(tensors: Sequence[Any], group: Any = None) -> Any:
     pg = _group(group, what)
     if len(tensors) != pg.size():
         raise ValueError(f"{what}: {len(tensors)} tensors for a group of {pg.size()}")
-    return apply(_ReduceScatter, pg, *tensors, *_anchor())
+    return apply(_ReduceScatter, pg, *tensors, *_graph.anchors())
 
 
 def all_gather_into_tensor(tensor: Any, group: Any = None) -> Any:
@@ -516,7 +512,7 @@ def all_gather_into_tensor(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_AllGatherTensor, tensor, _group(group, "autograd.all_gather_into_tensor"), *_anchor())
+    return apply(_AllGatherTensor, tensor, _group(group, "autograd.all_gather_into_tensor"), *_graph.anchors())
 
 
 def reduce_scatter_tensor(tensor: Any, group: Any = None) -> Any:
@@ -537,7 +533,7 @@ def reduce_scatter_tensor(tensor: Any, group: Any = None) -> Any:
     pg = _group(group, what)
     if tensor.dim() == 0 or tensor.shape[0] % pg.size():
         raise ValueError(f"{what}: dimension 0 ({tuple(tensor.shape)}) does not split into {pg.size()} equal blocks")
-    return apply(_ReduceScatterTensor, tensor, pg, *_anchor())
+    return apply(_ReduceScatterTensor, tensor, pg, *_graph.anchors())
 
 
 def all_to_all_single(
@@ -569,7 +565,7 @@ def all_to_all_single(
         input_split_sizes = [tensor.shape[0] // n] * n
     if output_split_sizes is None:
         output_split_sizes = [sum(input_split_sizes) // n] * n
-    return apply(_AllToAllSingle, tensor, pg, tuple(output_split_sizes), tuple(input_split_sizes), *_anchor())
+    return apply(_AllToAllSingle, tensor, pg, tuple(output_split_sizes), tuple(input_split_sizes), *_graph.anchors())
 
 
 def scatter(tensors: Sequence[Any], src: int, group: Any = None) -> Any:
@@ -591,7 +587,7 @@ def scatter(tensors: Sequence[Any], src: int, group: Any = None) -> Any:
     pg = _group(group, what)
     if len(tensors) != pg.size():
         raise ValueError(f"{what}: {len(tensors)} tensors for a group of {pg.size()}")
-    return apply(_Scatter, pg, _root(pg, src, what, "src"), *tensors, *_anchor())
+    return apply(_Scatter, pg, _root(pg, src, what, "src"), *tensors, *_graph.anchors())
 
 
 def gather(tensor: Any, dst: int, group: Any = None) -> tuple[Any, ...]:
@@ -611,4 +607,4 @@ def gather(tensor: Any, dst: int, group: Any = None) -> tuple[Any, ...]:
     """
     what = "autograd.gather"
     pg = _group(group, what)
-    return apply(_Gather, tensor, pg, _root(pg, dst, what, "dst"), *_anchor())  # type: ignore[no-any-return]
+    return apply(_Gather, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors())  # type: ignore[no-any-return]

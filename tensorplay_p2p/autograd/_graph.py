@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Duty", "anchor", "guard", "ran"]
+__all__ = ["Duty", "anchor", "anchors", "guard", "ran"]
 
 _anchor: Any = None
 
@@ -36,6 +36,11 @@ def anchor() -> Any:
         with torch._C._DisableFuncTorch():  # made under a torch.func transform, it would be that transform's, and die
             _anchor = torch.zeros((), requires_grad=True)
     return _anchor
+
+
+def anchors() -> tuple[Any, ...]:
+    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it."""
+    return (anchor(),) if torch.is_grad_enabled() else ()
 
 
 class Duty:

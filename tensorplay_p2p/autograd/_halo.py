@@ -430,13 +430,18 @@ def _physical(plan: Plan, x: Any) -> Plan:
     return plan_for(x, plan.group, plan.widths, plan.corners, "halo_exchange")
 
 
-def _batched(cls: Any, info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
-    """The vmap rule of ``_Fill`` or ``_AddBack`` (``x, plan, call, *anchor``): one exchange of the whole batch."""
+def _batched(
+    cls: Any, info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], plan_at: int = 1, token: bool = False
+) -> Any:
+    """The vmap rule of an exchange's Function whose first argument is the block and ``args[plan_at]`` its plan: one
+    exchange of the whole batch, on the plan of the batched shape; its output holds the batch last, as the block
+    does (``token``: the output is an empty token, with no batch)."""
     if in_dims[0] is None:
         return apply(cls, *args), None
-    x, plan, call, *anchor = batch_moved(info, in_dims, args, range(1), -1)
-    output = apply(cls, x, _physical(plan, x), call, *anchor)
-    return output, output.dim() - 1
+    given = batch_moved(info, in_dims, args, range(1), -1)
+    given[plan_at] = _physical(given[plan_at], given[0])
+    output = apply(cls, *given)
+    return output, None if token else output.dim() - 1
 
 
 def _tangent(tangent: Any, plan: Plan) -> Any:
@@ -542,7 +547,7 @@ class _FillInPlace(torch.autograd.Function):
 
 def _anchored(x: Any) -> tuple[Any, ...]:
     differentiable = x.dtype.is_floating_point or x.dtype.is_complex
-    return (_graph.anchor(),) if torch.is_grad_enabled() and differentiable else ()
+    return _graph.anchors() if differentiable else ()
 
 
 def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:
@@ -635,10 +640,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        if in_dims[0] is None:
-            return apply(_Start, *args), None
-        x, plan, call, flight, *anchor = batch_moved(info, in_dims, args, range(1), -1)
-        return apply(_Start, x, _physical(plan, x), call, flight, *anchor), None  # the token has no batch
+        return _batched(_Start, info, in_dims, args, token=True)
 
     @staticmethod
     def backward(ctx: Any, token: Any) -> Any:
@@ -676,11 +678,7 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        if in_dims[0] is None:
-            return apply(_Finish, *args), None
-        x, token, plan, call, flight = batch_moved(info, in_dims, args, range(1), -1)
-        output = apply(_Finish, x, token, _physical(plan, x), call, flight)  # the start's plan: the same batch
-        return output, output.dim() - 1
+        return _batched(_Finish, info, in_dims, args, plan_at=2)  # the start's plan: the same batched shape
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:

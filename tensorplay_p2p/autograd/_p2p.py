@@ -111,8 +111,7 @@ class _Batch(torch.autograd.Function):
         ]
         # the batch itself, so that a transform above differentiates it, with adjoint tags of its own (its backward,
         # in reverse over forward mode, must meet its own messages, not the primal's), anchored as any batch is
-        anchor = (_graph.anchor(),) if torch.is_grad_enabled() else ()
-        return apply(_Batch, ctx.pg, _renumbered(ctx.pg, ctx.messages), *sent, *anchor)
+        return apply(_Batch, ctx.pg, _renumbered(ctx.pg, ctx.messages), *sent, *_graph.anchors())
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
@@ -205,8 +204,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Any]:
     described = [(_numbered(*c, s), c[3]) for c in checked]
     messages = tuple(m for m, _ in described)
     sent = [t for m, t in described if m.sends]
-    anchor = (_graph.anchor(),) if torch.is_grad_enabled() else ()
-    outputs = list(apply(_Batch, s.group, messages, *sent, *anchor))
+    outputs = list(apply(_Batch, s.group, messages, *sent, *_graph.anchors()))
     wanting = [i for i, t in enumerate(sent) if t.requires_grad]
     if len(wanting) == 1 and outputs:  # a guard takes one input; with more, every output must reach the loss
         _graph.guard(outputs[0].grad_fn, sent[wanting[0]], lambda: _substitute(s.group, messages)[wanting[0]])

@@ -36,9 +36,9 @@ def _parts(t: Any) -> list[Any]:
     return [t * (k + 1) for k in range(SIZE)]
 
 
-def _op(name: str, cart: dist.CartGroup) -> Callable[[Any], Any]:
-    """The op ``name`` as a map of one tensor of ``SHAPE`` to one tensor."""
-    ops: dict[str, Callable[[Any], Any]] = {
+def _ops(cart: dist.CartGroup | None) -> dict[str, Callable[[Any], Any]]:
+    """Each op by name, as a map of one tensor of ``SHAPE`` to one tensor (the halo forms on ``cart``)."""
+    return {
         "halo_exchange": lambda t: ag.halo_exchange(t, cart, 1, True),
         "halo_exchange_": lambda t: ag.halo_exchange_(t * 1.0, cart, 1, True),
         "halo_exchange_start": lambda t: ag.halo_exchange_start(t, cart, 1, True).wait(),
@@ -60,29 +60,13 @@ def _op(name: str, cart: dist.CartGroup) -> Callable[[Any], Any]:
         "scatter": lambda t: ag.scatter(_parts(t), LAST),
         "gather": lambda t: torch.cat(ag.gather(t, 0)),
     }
-    return ops[name]
 
 
-NAMES = (
-    "halo_exchange",
-    "halo_exchange_",
-    "halo_exchange_start",
-    "sendrecv",
-    "batch_isend_irecv",
-    "all_reduce",
-    "all_reduce avg",
-    "copy_to_group",
-    "reduce_from_group",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_to_all_single",
-    "scatter",
-    "gather",
-)
+def _op(name: str, cart: dist.CartGroup) -> Callable[[Any], Any]:
+    return _ops(cart)[name]
+
+
+NAMES = tuple(_ops(None))
 
 
 def _random(seed: int) -> Any:
