@@ -386,7 +386,7 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None) -> Any:
     """
     what = "autograd.all_reduce"
     avg = _average(op, what)
-    return apply(_AllReduce, tensor, _group(group, what), avg, *_graph.anchors())
+    return apply(_AllReduce, tensor, _group(group, what), avg, *_graph.anchors(tensor))
 
 
 def copy_to_group(tensor: Any, group: Any = None) -> Any:
@@ -403,7 +403,7 @@ def copy_to_group(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_CopyTo, tensor, _group(group, "autograd.copy_to_group"), *_graph.anchors())
+    return apply(_CopyTo, tensor, _group(group, "autograd.copy_to_group"), *_graph.anchors(tensor))
 
 
 def reduce_from_group(tensor: Any, group: Any = None) -> Any:
@@ -420,7 +420,7 @@ def reduce_from_group(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_ReduceFrom, tensor, _group(group, "autograd.reduce_from_group"), *_graph.anchors())
+    return apply(_ReduceFrom, tensor, _group(group, "autograd.reduce_from_group"), *_graph.anchors(tensor))
 
 
 def broadcast(tensor: Any, src: int, group: Any = None) -> Any:
@@ -439,7 +439,7 @@ def broadcast(tensor: Any, src: int, group: Any = None) -> Any:
     """
     what = "autograd.broadcast"
     pg = _group(group, what)
-    return apply(_Broadcast, tensor, pg, _root(pg, src, what, "src"), *_graph.anchors())
+    return apply(_Broadcast, tensor, pg, _root(pg, src, what, "src"), *_graph.anchors(tensor))
 
 
 def reduce(tensor: Any, dst: int, group: Any = None) -> Any:
@@ -459,7 +459,7 @@ def reduce(tensor: Any, dst: int, group: Any = None) -> Any:
     """
     what = "autograd.reduce"
     pg = _group(group, what)
-    return apply(_Reduce, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors())
+    return apply(_Reduce, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors(tensor))
 
 
 def all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
@@ -476,7 +476,7 @@ def all_gather(tensor: Any, group: Any = None) -> tuple[Any, ...]:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_AllGather, tensor, _group(group, "autograd.all_gather"), *_graph.anchors())  # type: ignore[no-any-return]
+    return apply(_AllGather, tensor, _group(group, "autograd.all_gather"), *_graph.anchors(tensor))  # type: ignore[no-any-return]
 
 
 def reduce_scatter(tensors: Sequence[Any], group: Any = None) -> Any:
@@ -496,7 +496,7 @@ def reduce_scatter(tensors: Sequence[Any], group: Any = None) -> Any:
     pg = _group(group, what)
     if len(tensors) != pg.size():
         raise ValueError(f"{what}: {len(tensors)} tensors for a group of {pg.size()}")
-    return apply(_ReduceScatter, pg, *tensors, *_graph.anchors())
+    return apply(_ReduceScatter, pg, *tensors, *_graph.anchors(tensors[0]))
 
 
 def all_gather_into_tensor(tensor: Any, group: Any = None) -> Any:
@@ -512,7 +512,7 @@ def all_gather_into_tensor(tensor: Any, group: Any = None) -> Any:
     Raises:
         TypeError: ``group`` is not a group.
     """
-    return apply(_AllGatherTensor, tensor, _group(group, "autograd.all_gather_into_tensor"), *_graph.anchors())
+    return apply(_AllGatherTensor, tensor, _group(group, "autograd.all_gather_into_tensor"), *_graph.anchors(tensor))
 
 
 def reduce_scatter_tensor(tensor: Any, group: Any = None) -> Any:
@@ -533,7 +533,7 @@ def reduce_scatter_tensor(tensor: Any, group: Any = None) -> Any:
     pg = _group(group, what)
     if tensor.dim() == 0 or tensor.shape[0] % pg.size():
         raise ValueError(f"{what}: dimension 0 ({tuple(tensor.shape)}) does not split into {pg.size()} equal blocks")
-    return apply(_ReduceScatterTensor, tensor, pg, *_graph.anchors())
+    return apply(_ReduceScatterTensor, tensor, pg, *_graph.anchors(tensor))
 
 
 def all_to_all_single(
@@ -565,7 +565,9 @@ def all_to_all_single(
         input_split_sizes = [tensor.shape[0] // n] * n
     if output_split_sizes is None:
         output_split_sizes = [sum(input_split_sizes) // n] * n
-    return apply(_AllToAllSingle, tensor, pg, tuple(output_split_sizes), tuple(input_split_sizes), *_graph.anchors())
+    return apply(
+        _AllToAllSingle, tensor, pg, tuple(output_split_sizes), tuple(input_split_sizes), *_graph.anchors(tensor)
+    )
 
 
 def scatter(tensors: Sequence[Any], src: int, group: Any = None) -> Any:
@@ -587,7 +589,7 @@ def scatter(tensors: Sequence[Any], src: int, group: Any = None) -> Any:
     pg = _group(group, what)
     if len(tensors) != pg.size():
         raise ValueError(f"{what}: {len(tensors)} tensors for a group of {pg.size()}")
-    return apply(_Scatter, pg, _root(pg, src, what, "src"), *tensors, *_graph.anchors())
+    return apply(_Scatter, pg, _root(pg, src, what, "src"), *tensors, *_graph.anchors(tensors[0]))
 
 
 def gather(tensor: Any, dst: int, group: Any = None) -> tuple[Any, ...]:
@@ -607,4 +609,4 @@ def gather(tensor: Any, dst: int, group: Any = None) -> tuple[Any, ...]:
     """
     what = "autograd.gather"
     pg = _group(group, what)
-    return apply(_Gather, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors())  # type: ignore[no-any-return]
+    return apply(_Gather, tensor, pg, _root(pg, dst, what, "dst"), *_graph.anchors(tensor))  # type: ignore[no-any-return]

@@ -6,6 +6,7 @@ that a member's backward joins, whatever its own inputs and loss:
 - ``anchor()``: a leaf that requires a gradient, passed to every differentiable op in grad mode.  The op's output then
   requires a gradient on every member, so that a member whose own input needs none (mixed ``requires_grad``) still runs
   the op's backward, sending its zeros, when its backward reaches the output.
+  In forward mode, a dual zero does the same for the op's forward-mode rule (``anchors``).
 - ``guard`` (on ``halo_exchange``, ``sendrecv`` and a ``batch_isend_irecv`` that sends one tensor that requires a
   gradient): where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
   send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 __all__ = ["Duty", "anchor", "anchors", "guard", "ran"]
 
@@ -38,9 +40,19 @@ def anchor() -> Any:
     return _anchor
 
 
-def anchors() -> tuple[Any, ...]:
-    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it."""
-    return (anchor(),) if torch.is_grad_enabled() else ()
+def anchors(like: Any = None) -> tuple[Any, ...]:
+    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and, under an open
+    forward-mode level (``torch.autograd.forward_ad``; ``torch.func.jvp`` opens one too), a dual zero, so that torch
+    runs the op's forward-mode rule on every member: a member none of whose inputs carries a tangent (a batch that only
+    receives, an input without one) still posts the tangent messages its peers send it.  No dual zero inside a
+    forward-mode rule (torch turns forward mode off there), nor for an op whose tensor ``like`` has a dtype that
+    carries no tangent (integers, bool): no member computes a tangent for it."""
+    grad = (anchor(),) if torch.is_grad_enabled() else ()
+    if forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():
+        return grad
+    if like is not None and not (like.dtype.is_floating_point or like.dtype.is_complex):
+        return grad
+    return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(())))
 
 
 class Duty:

@@ -547,7 +547,7 @@ class _FillInPlace(torch.autograd.Function):
 
 def _anchored(x: Any) -> tuple[Any, ...]:
     differentiable = x.dtype.is_floating_point or x.dtype.is_complex
-    return _graph.anchors() if differentiable else ()
+    return _graph.anchors(x) if differentiable else ()
 
 
 def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:

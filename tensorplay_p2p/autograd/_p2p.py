@@ -103,15 +103,18 @@ class _Batch(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
-        sending = [m for m in ctx.messages if m.sends]
-        given = tangents[2 : 2 + len(sending)]
-        sent = [
-            torch.zeros(m.shape, dtype=m.dtype, device=m.device) if t is None else t
-            for m, t in zip(sending, given, strict=True)
-        ]
-        # the batch itself, so that a transform above differentiates it, with adjoint tags of its own (its backward,
-        # in reverse over forward mode, must meet its own messages, not the primal's), anchored as any batch is
-        return apply(_Batch, ctx.pg, _renumbered(ctx.pg, ctx.messages), *sent, *_graph.anchors())
+        # the batch itself on the messages that carry a tangent (not those of integers or bool, whose outputs have
+        # none), so that a transform above differentiates it, with adjoint tags of its own (its backward, in reverse
+        # over forward mode, must meet its own messages, not the primal's), anchored as any batch is
+        given = iter(tangents[2:])
+        carried = [(m, next(given) if m.sends else None) for m in ctx.messages]
+        carried = [(m, t) for m, t in carried if _carries_tangent(m)]
+        if not carried:
+            return (None,) * len(ctx.messages)
+        sent = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if t is None else t for m, t in carried if m.sends]
+        messages = _renumbered(ctx.pg, tuple(m for m, _ in carried))
+        outputs = iter(apply(_Batch, ctx.pg, messages, *sent, *_graph.anchors()))
+        return tuple(next(outputs) if _carries_tangent(m) else None for m in ctx.messages)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
@@ -123,6 +126,10 @@ class _Batch(torch.autograd.Function):
         _, _, *sent = batch_moved(info, in_dims, (pg, messages, *inputs), positions, 0)
         batched = tuple(replace(m, shape=(info.batch_size, *m.shape)) for m in messages)
         return apply(_Batch, pg, batched, *sent), tuple(None if m.sends else 0 for m in messages)
+
+
+def _carries_tangent(m: _Message) -> bool:
+    return bool(m.dtype.is_floating_point or m.dtype.is_complex)
 
 
 def _renumbered(pg: ProcessGroup, messages: tuple[_Message, ...]) -> tuple[_Message, ...]:

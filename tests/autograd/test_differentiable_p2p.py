@@ -214,3 +214,32 @@ def test_backward_on_another_thread() -> None:
     else:
         assert not failure, failure
         assert x.grad.tolist() == [_scale(NEXT)] * 4  # type: ignore[union-attr]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_forward_mode_where_the_receiver_has_no_tangent_input() -> None:
+    """Under a forward-mode level, a batch that only receives carries the sender's tangent (no input of its own has
+    one), and a later message on the same tag meets its own receive, not a stale tangent."""
+    import torch.autograd.forward_ad as fwad
+
+    pair = RANK - RANK % 2
+    sender, receiver = RANK % 2 == 0 and pair + 1 < SIZE, RANK % 2 == 1
+    template = torch.zeros(3, dtype=torch.float64)
+    with fwad.dual_level():
+        for step in range(2):
+            if sender:
+                x = fwad.make_dual(torch.full((3,), 10.0 + step), torch.full((3,), 20.0 + step))
+                ag.sendrecv(x.double(), pair + 1, None, tag=17)
+            elif receiver:
+                primal, tangent = fwad.unpack_dual(ag.sendrecv(template, None, pair, tag=17))
+                assert primal.tolist() == [10.0 + step] * 3
+                assert tangent is not None and tangent.tolist() == [20.0 + step] * 3
+        if sender:  # a plain message on the tag, received plainly
+            dist.send(torch.full((3,), 5.0, dtype=torch.float64), pair + 1, tag=17)
+            ag.sendrecv(torch.full((3,), 6.0, dtype=torch.float64), pair + 1, None, tag=17)
+        elif receiver:
+            into = torch.zeros(3, dtype=torch.float64)
+            dist.recv(into, pair, tag=17)
+            primal, tangent = fwad.unpack_dual(ag.sendrecv(template, None, pair, tag=17))
+            assert into.tolist() == [5.0] * 3 and primal.tolist() == [6.0] * 3
+            assert tangent is None or tangent.tolist() == [0.0] * 3

@@ -2,8 +2,8 @@
 against the op on the tangent, ``grad`` against eager autograd, and a Hessian-vector product three ways (forward over
 reverse, reverse over forward, reverse over reverse) against eager double backward; ``vmap`` against the op on each
 member of the batch, ``jacrev`` and ``jacfwd`` against eager vector products, and the Jacobian and Hessian of a
-global function (a halo exchange between the collectives that scatter and assemble it) against one process; and
-forward-mode AD through the split halo exchange."""
+global function (a halo exchange between the collectives that scatter and assemble it) against one process;
+forward-mode AD through the split halo exchange, with tangents on some processes only (every op), and on integers."""
 
 from __future__ import annotations
 
@@ -110,6 +110,48 @@ def test_forward_mode_through_the_split_halo_exchange() -> None:
         primal, tangent = fwad.unpack_dual(y)
     assert torch.equal(primal, ag.halo_exchange(x, cart, 1).detach())
     assert tangent is not None and torch.equal(tangent, ag.halo_exchange(v, cart, 1).detach())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_mode_with_tangents_on_some_processes_only(name: str) -> None:
+    """Odd processes give their op no tangent input (``forward_ad``: a plain tensor; ``torch.func.jvp``: a constant):
+    their op still runs its forward-mode rule, so every process's tangent is the op of the tangents given, zeros
+    where none was, and the next op's messages meet their own receives (before, the odd processes' peers left tangent
+    messages unmatched, and a later receive of their tag could take one: a collective's tangent hung)."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    x, v = _random(21), _random(22)
+    after = op(x + 1).detach()
+    given = RANK % 2 == 0
+    want = op(v if given else torch.zeros_like(v)).detach()
+    with fwad.dual_level():
+        primal, tangent = fwad.unpack_dual(op(fwad.make_dual(x, v) if given else x))
+    assert torch.equal(primal.detach(), op(x).detach())
+    assert tangent is not None and torch.equal(tangent.detach(), want)
+    out, tangent = torch.func.jvp(lambda t: op(t if given else x), (x,), (v,))
+    assert torch.equal(out, op(x).detach()) and torch.equal(tangent, want)
+    assert torch.equal(op(x + 1).detach(), after)  # the next op's messages met their own receives
+
+
+def test_forward_mode_on_integers_carries_no_tangent() -> None:
+    """An op on integers under a forward-mode level: its value, and no tangent (torch carries none for integers)."""
+    cart = dist.new_cart_group((0,), True)
+    x = torch.arange(4, dtype=torch.int64) + RANK
+
+    def ops() -> list[Any]:
+        return [
+            ag.halo_exchange(x, cart, 1),
+            ag.sendrecv(x, NEXT, PREV, tag=6),
+            ag.all_reduce(x),
+            ag.broadcast(x, LAST),
+            *ag.all_gather(x),
+            ag.scatter([x + k for k in range(SIZE)], 0),
+        ]
+
+    want = ops()
+    with fwad.dual_level():
+        got = ops()
+        tangents = [fwad.unpack_dual(y).tangent for y in got]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and tangents == [None] * len(got)
 
 
 @pytest.mark.parametrize("name", NAMES)
