@@ -87,10 +87,9 @@ def _batched(cls: Any) -> Any:
     tensors = getattr(cls, "tensors", _first)
 
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        positions = tensors(args)
-        if all(in_dims[i] is None for i in positions):
-            return apply(cls, *args), None
-        output = apply(cls, *batch_moved(info, in_dims, args, positions, dim))
+        # batched where any argument is: a tensor, or the batched zero of ``_graph.anchors`` (on a member whose own
+        # tensors are not, so that its messages carry the batch as its peers' do)
+        output = apply(cls, *batch_moved(info, in_dims, args, tensors(args), dim))
         return output, _out_dims(output, dim)
 
     return vmap

@@ -6,7 +6,9 @@ that a member's backward joins, whatever its own inputs and loss:
 - ``anchor()``: a leaf that requires a gradient, passed to every differentiable op in grad mode.  The op's output then
   requires a gradient on every member, so that a member whose own input needs none (mixed ``requires_grad``) still runs
   the op's backward, sending its zeros, when its backward reaches the output.
-  In forward mode, a dual zero does the same for the op's forward-mode rule (``anchors``).
+  In forward mode, a dual zero does the same for the op's forward-mode rule, and under ``torch.func.vmap`` a batched
+  zero for its vmap rule (``anchors``, ``vmapped``): every member runs the rule that posts the messages its peers'
+  rules post.
 - ``guard`` (on ``halo_exchange``, ``sendrecv`` and a ``batch_isend_irecv`` that sends one tensor that requires a
   gradient): where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
   send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["Duty", "anchor", "anchors", "guard", "ran"]
+__all__ = ["Duty", "anchor", "anchors", "guard", "ran", "vmapped"]
 
 _anchor: Any = None
 
@@ -41,18 +43,44 @@ def anchor() -> Any:
 
 
 def anchors(like: Any = None) -> tuple[Any, ...]:
-    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and, under an open
-    forward-mode level (``torch.autograd.forward_ad``; ``torch.func.jvp`` opens one too), a dual zero, so that torch
-    runs the op's forward-mode rule on every member: a member none of whose inputs carries a tangent (a batch that only
-    receives, an input without one) still posts the tangent messages its peers send it.  No dual zero inside a
-    forward-mode rule (torch turns forward mode off there), nor for an op whose tensor ``like`` has a dtype that
-    carries no tangent (integers, bool): no member computes a tangent for it."""
+    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and two zeros that make
+    torch run an op's rule for a transform on every member alike, whatever its own inputs:
+
+    - under an open forward-mode level (``torch.autograd.forward_ad``; ``torch.func.jvp`` opens one too), a dual zero:
+      a member none of whose inputs carries a tangent (a batch that only receives, an input without one) still runs
+      the op's forward-mode rule, and posts the tangent messages its peers send it.  None inside a forward-mode rule
+      (torch turns forward mode off there), nor for an op whose tensor ``like`` has a dtype that carries no tangent
+      (integers, bool): no member computes a tangent for it;
+    - under ``torch.func.vmap``, ``vmapped()``."""
     grad = (anchor(),) if torch.is_grad_enabled() else ()
+    if torch._C._are_functorch_transforms_active():
+        grad = (*grad, *vmapped())
     if forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():
         return grad
     if like is not None and not (like.dtype.is_floating_point or like.dtype.is_complex):
         return grad
     return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(())))
+
+
+def vmapped() -> tuple[Any, ...]:
+    """Under ``torch.func.vmap``, a zero batched at every vmap level (nothing outside one): an op then runs its vmap
+    rule, and so carries the batch in its messages, on a member none of whose own tensors is batched (a batch that
+    only receives, an input that is batched on its peers only), as on its peers.  Only where vmap is the innermost
+    transform: below a ``grad`` or ``jvp`` the op's own rule for that transform runs first."""
+    stack = _interpreters() or ()  # the outermost first
+    if not stack or stack[-1].key() != _VMAP:  # an op runs its vmap rule where vmap is the innermost transform
+        return ()
+    vmaps = [i for i in stack if i.key() == _VMAP]
+    zero = torch.zeros(tuple(_Vmap(i).batchSize() for i in vmaps))
+    for i in vmaps:  # the outermost level first, as vmap itself wraps a nested batch
+        zero = _add_batch_dim(zero, 0, i.level())
+    return (zero,)
+
+
+_interpreters = torch._C._functorch.get_interpreter_stack
+_add_batch_dim = torch._C._functorch._add_batch_dim
+_Vmap = torch._C._functorch.CVmapInterpreterPtr
+_VMAP = torch._C._functorch.TransformType.Vmap
 
 
 class Duty:

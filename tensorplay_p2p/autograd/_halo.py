@@ -436,9 +436,7 @@ def _batched(
     """The vmap rule of an exchange's Function whose first argument is the block and ``args[plan_at]`` its plan: one
     exchange of the whole batch, on the plan of the batched shape; its output holds the batch last, as the block
     does (``token``: the output is an empty token, with no batch)."""
-    if in_dims[0] is None:
-        return apply(cls, *args), None
-    given = batch_moved(info, in_dims, args, range(1), -1)
+    given = batch_moved(info, in_dims, args, range(1), -1)  # batched where any argument is (see _graph.vmapped)
     given[plan_at] = _physical(given[plan_at], given[0])
     output = apply(cls, *given)
     return output, None if token else output.dim() - 1
@@ -524,7 +522,16 @@ class _FillInPlace(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Any, plan: Plan, call: int, *anchor: Any) -> Any:
         if in_dims[0] is None:
-            return apply(_FillInPlace, x, plan, call, *anchor), None
+            if all(d is None for d in in_dims):
+                return apply(_FillInPlace, x, plan, call, *anchor), None
+            # its peers' blocks are batched (the zero of _graph.vmapped is): the exchange runs with them, on a copy,
+            # and the block, which cannot hold the batch, is refused
+            _batched(_Fill, info, in_dims, (x, plan, call, *anchor))
+            raise RuntimeError(
+                "halo_exchange_ under torch.func.vmap: the block is not batched on this process, while its peers' "
+                "are; an exchange in place cannot write a batch into it (batch the block here too, or use "
+                "halo_exchange)"
+            )
         moved = x.movedim(in_dims[0], -1)  # a view: the exchange writes ``x``
         apply(_FillInPlace, moved, _physical(plan, moved), call, *anchor)
         return x, in_dims[0]
@@ -601,7 +608,8 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
         ``x``.
 
     Raises:
-        TypeError, ValueError: as ``halo_exchange``; RuntimeError: ``x`` is a leaf that requires a gradient.
+        TypeError, ValueError: as ``halo_exchange``; RuntimeError: ``x`` is a leaf that requires a gradient; under
+            ``torch.func.vmap``, ``x`` is not batched on this process while its peers' blocks are.
     """
     plan = plan_for(x, group, halo, corners, "halo_exchange_")
     call = number(plan)
@@ -664,7 +672,7 @@ class _Finish(torch.autograd.Function):
     of whatever the program computed between the two overlaps the messages."""
 
     @staticmethod
-    def forward(x: Any, token: Any, plan: Plan, call: int, flight: _Flight) -> Any:
+    def forward(x: Any, token: Any, plan: Plan, call: int, flight: _Flight, *vmapped: Any) -> Any:
         y = x.clone(memory_format=torch.contiguous_format)
         pending, flight.forward = flight.forward, None
         if pending is None:
@@ -674,7 +682,7 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.plan, ctx.call, ctx.flight = inputs[2], inputs[3], inputs[4]
+        ctx.plan, ctx.call, ctx.flight, ctx.extra = inputs[2], inputs[3], inputs[4], len(inputs) - 1
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
@@ -684,10 +692,10 @@ class _Finish(torch.autograd.Function):
     def backward(ctx: Any, grad: Any) -> Any:
         _graph.ran(ctx)
         if torch.is_grad_enabled():  # create_graph: the adjoint whole, differentiable, and nothing left to _Start
-            return apply(_AddBack, grad, ctx.plan, ctx.call), None, None, None, None
+            return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
         local = grad.clone(memory_format=torch.contiguous_format)
         ctx.flight.backward = ctx.plan.start(local, ctx.call, True)
-        return local, None, None, None, None
+        return (local, *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -711,7 +719,8 @@ class HaloRequest:
         Raises:
             RuntimeError: it was already completed.
         """
-        return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight)
+        # under vmap, batched where the start was: on a member whose block is not, the start's zero of _graph.vmapped
+        return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight, *_graph.vmapped())
 
 
 def halo_exchange_start(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> HaloRequest:

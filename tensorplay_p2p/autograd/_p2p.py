@@ -120,9 +120,7 @@ class _Batch(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
         """One batch of messages for the whole vmapped batch, which leads each tensor: each send carries it (expanded
         where its tensor has none), and each receive gets it."""
-        positions = range(2, 2 + sum(m.sends for m in messages))
-        if all(in_dims[i] is None for i in positions):
-            return apply(_Batch, pg, messages, *inputs), None
+        positions = range(2, 2 + sum(m.sends for m in messages))  # batched where any input is (see _graph.vmapped)
         _, _, *sent = batch_moved(info, in_dims, (pg, messages, *inputs), positions, 0)
         batched = tuple(replace(m, shape=(info.batch_size, *m.shape)) for m in messages)
         return apply(_Batch, pg, batched, *sent), tuple(None if m.sends else 0 for m in messages)
@@ -146,7 +144,7 @@ def _adjoint(pg: ProcessGroup, messages: tuple[_Message, ...], grads: Sequence[A
     """The gradients of a batch's sent tensors from those of its outputs: the reversed batch, itself differentiable."""
     reverse = tuple(m.reversed() for m in messages)
     back = [g.contiguous() for m, g in zip(messages, grads, strict=True) if not m.sends]
-    outputs = apply(_Batch, pg, reverse, *back)
+    outputs = apply(_Batch, pg, reverse, *back, *_graph.vmapped())
     return [out for m, out in zip(messages, outputs, strict=True) if m.sends]
 
 

@@ -1,9 +1,10 @@
 """torch.func's transforms over every differentiable op, each op's shapes first seen under the transform: ``jvp``
 against the op on the tangent, ``grad`` against eager autograd, and a Hessian-vector product three ways (forward over
 reverse, reverse over forward, reverse over reverse) against eager double backward; ``vmap`` against the op on each
-member of the batch, ``jacrev`` and ``jacfwd`` against eager vector products, and the Jacobian and Hessian of a
-global function (a halo exchange between the collectives that scatter and assemble it) against one process;
-forward-mode AD through the split halo exchange, with tangents on some processes only (every op), and on integers."""
+member of the batch (with the batch on some processes only, too), ``jacrev`` and ``jacfwd`` against eager vector
+products, and the Jacobian and Hessian of a global function (a halo exchange between the collectives that scatter and
+assemble it) against one process; forward-mode AD through the split halo exchange, with tangents on some processes
+only (every op), and on integers."""
 
 from __future__ import annotations
 
@@ -203,6 +204,51 @@ def test_the_jacobian_and_hessian_of_a_global_function_equal_one_process() -> No
     torch.testing.assert_close(
         torch.func.hessian(cubed(distributed))(blocks), torch.func.hessian(cubed(serial))(blocks), rtol=1e-13, atol=0
     )
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "halo_exchange_"])
+def test_vmap_with_the_batch_on_some_processes_only(name: str) -> None:
+    """Odd processes' function ignores the vmapped argument: their op still runs batched (its messages carry the
+    batch, as its peers' do), and each member of every process's batch is the op of the members given, the constant
+    where none was."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    batch, constant = torch.stack([_random(31 + k) for k in range(3)]), _random(34)
+    given = RANK % 2 == 0
+    want = torch.stack([op(x if given else constant).detach() for x in batch])
+    got = torch.func.vmap(lambda t: op(t if given else constant))(batch)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_vmap_through_a_batch_that_only_receives() -> None:
+    """Even processes send a batch; odd ones only receive (nothing of theirs is batched): they receive the batch."""
+    pair = RANK - RANK % 2
+    template = torch.zeros(3, dtype=torch.float64)
+    batch = torch.arange(12, dtype=torch.float64).view(4, 3) + RANK
+    if RANK % 2 == 0 and pair + 1 < SIZE:
+        torch.func.vmap(lambda t: ag.sendrecv(t, pair + 1, None, tag=8))(batch)
+    elif RANK % 2 == 1:
+        got = torch.func.vmap(lambda t: ag.sendrecv(template, None, pair, tag=8))(batch)
+        assert torch.equal(got, batch - 1)
+
+
+def test_the_in_place_exchange_of_a_block_not_batched_here_under_vmap_is_refused() -> None:
+    """``halo_exchange_`` writes its block, which cannot hold a batch it does not have: on the process whose block is
+    not batched (while its peers' are), a clear error after the exchange ran with its peers, who get theirs."""
+    cart = dist.new_cart_group((0,), True)
+    batch, block = torch.stack([_random(41 + k)[:, 0] for k in range(2)]), _random(43)[:, 0]
+    given = RANK % 2 == 0 or SIZE == 1
+
+    def op(t: Any) -> Any:
+        return ag.halo_exchange_(t * 1.0 if given else block.clone(), cart, 1)
+
+    want = torch.stack([ag.halo_exchange(x if given else block, cart, 1).detach() for x in batch])
+    if given:
+        assert torch.equal(torch.func.vmap(op)(batch), want)
+    else:
+        with pytest.raises(RuntimeError, match=r"halo_exchange_ .* not batched on this process"):
+            torch.func.vmap(op)(batch)
+    assert ag.all_reduce(torch.ones(1, dtype=torch.float64)).item() == SIZE  # the group goes on
 
 
 def test_a_batch_size_that_differs_between_processes_is_a_size_error() -> None:
