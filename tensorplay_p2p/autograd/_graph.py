@@ -43,19 +43,26 @@ def anchor() -> Any:
 
 
 def anchors(like: Any = None) -> tuple[Any, ...]:
-    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and two zeros that make
-    torch run an op's rule for a transform on every member alike, whatever its own inputs:
+    """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and a zero that makes
+    torch run the op's rule for a transform on every member alike, whatever its own inputs:
 
-    - under an open forward-mode level (``torch.autograd.forward_ad``; ``torch.func.jvp`` opens one too), a dual zero:
-      a member none of whose inputs carries a tangent (a batch that only receives, an input without one) still runs
-      the op's forward-mode rule, and posts the tangent messages its peers send it.  None inside a forward-mode rule
-      (torch turns forward mode off there), nor for an op whose tensor ``like`` has a dtype that carries no tangent
-      (integers, bool): no member computes a tangent for it;
-    - under ``torch.func.vmap``, ``vmapped()``."""
-    grad = (anchor(),) if torch.is_grad_enabled() else ()
-    if torch._C._are_functorch_transforms_active():
-        grad = (*grad, *vmapped())
-    if forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():
+    - under an open forward-mode level (``torch.autograd.forward_ad``, or ``torch.func.jvp`` as the innermost
+      transform), a dual zero: a member none of whose inputs carries a tangent (a batch that only receives, an input
+      without one) still runs the op's forward-mode rule, and posts the tangent messages its peers send it.  None
+      where forward mode is off (in an op's own forward-mode rule), nor for an op whose tensor ``like`` has a dtype
+      that carries no tangent (integers, bool): no member computes a tangent for it;
+    - under ``torch.func.vmap`` as the innermost transform, the zero of ``vmapped()``.
+
+    Only the innermost transform gets one: at an outer ``jvp`` level (``jvp`` of ``grad``, of ``vmap``), every member
+    must give tangents to the same ops (docs/autograd.md)."""
+    grad = ((_anchor if _anchor is not None else anchor()),) if _grad_enabled() else ()
+    if forward_ad._current_level < 0 and not _transforms_active():  # eager, forward mode off: every call but these
+        return grad
+    stack = _interpreters() if _transforms_active() else None
+    innermost = stack[-1].key() if stack else None
+    if innermost == _VMAP:
+        return (*grad, _batched_zero(stack))
+    if innermost not in (None, _JVP) or forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():
         return grad
     if like is not None and not (like.dtype.is_floating_point or like.dtype.is_complex):
         return grad
@@ -63,24 +70,31 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
 
 
 def vmapped() -> tuple[Any, ...]:
-    """Under ``torch.func.vmap``, a zero batched at every vmap level (nothing outside one): an op then runs its vmap
-    rule, and so carries the batch in its messages, on a member none of whose own tensors is batched (a batch that
-    only receives, an input that is batched on its peers only), as on its peers.  Only where vmap is the innermost
-    transform: below a ``grad`` or ``jvp`` the op's own rule for that transform runs first."""
-    stack = _interpreters() or ()  # the outermost first
-    if not stack or stack[-1].key() != _VMAP:  # an op runs its vmap rule where vmap is the innermost transform
+    """Under ``torch.func.vmap`` as the innermost transform, a zero batched at every vmap level (nothing elsewhere):
+    an op then runs its vmap rule, and so carries the batch in its messages, on a member none of whose own tensors is
+    batched (a batch that only receives, an input that is batched on its peers only), as on its peers.  Below a
+    ``grad`` or ``jvp``, the op's rule for that transform runs first, on the members whose inputs it reaches."""
+    if not _transforms_active():
         return ()
-    vmaps = [i for i in stack if i.key() == _VMAP]
+    stack = _interpreters()
+    return (_batched_zero(stack),) if stack and stack[-1].key() == _VMAP else ()
+
+
+def _batched_zero(stack: Any) -> Any:
+    vmaps = [i for i in stack if i.key() == _VMAP]  # the outermost first
     zero = torch.zeros(tuple(_Vmap(i).batchSize() for i in vmaps))
     for i in vmaps:  # the outermost level first, as vmap itself wraps a nested batch
         zero = _add_batch_dim(zero, 0, i.level())
-    return (zero,)
+    return zero
 
 
+_grad_enabled = torch.is_grad_enabled
+_transforms_active = torch._C._are_functorch_transforms_active
 _interpreters = torch._C._functorch.get_interpreter_stack
 _add_batch_dim = torch._C._functorch._add_batch_dim
 _Vmap = torch._C._functorch.CVmapInterpreterPtr
 _VMAP = torch._C._functorch.TransformType.Vmap
+_JVP = torch._C._functorch.TransformType.Jvp
 
 
 class Duty:

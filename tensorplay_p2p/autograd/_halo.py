@@ -524,9 +524,12 @@ class _FillInPlace(torch.autograd.Function):
         if in_dims[0] is None:
             if all(d is None for d in in_dims):
                 return apply(_FillInPlace, x, plan, call, *anchor), None
-            # its peers' blocks are batched (the zero of _graph.vmapped is): the exchange runs with them, on a copy,
-            # and the block, which cannot hold the batch, is refused
-            _batched(_Fill, info, in_dims, (x, plan, call, *anchor))
+            # the zero of _graph.vmapped is batched, for peers whose blocks may be: the exchange runs with them, on a
+            # copy, and its result goes into the block if it has no batch (no peer's was), else is refused
+            out, dim = _batched(_Fill, info, in_dims, (x, plan, call, *anchor))
+            members = out.movedim(dim, 0)
+            if _alike(members):
+                return x.copy_(members[0]), None
             raise RuntimeError(
                 "halo_exchange_ under torch.func.vmap: the block is not batched on this process, while its peers' "
                 "are; an exchange in place cannot write a batch into it (batch the block here too, or use "
@@ -552,9 +555,15 @@ class _FillInPlace(torch.autograd.Function):
         return tangent
 
 
+def _alike(members: Any) -> bool:
+    """Whether every member of a batch (dimension 0) holds the same bytes (NaNs compare equal)."""
+    raw = members.contiguous().view(torch.uint8).flatten(1)
+    return bool((raw == raw[:1]).all())
+
+
 def _anchored(x: Any) -> tuple[Any, ...]:
     differentiable = x.dtype.is_floating_point or x.dtype.is_complex
-    return _graph.anchors(x) if differentiable else ()
+    return _graph.anchors(x) if differentiable else _graph.vmapped()
 
 
 def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:
@@ -624,11 +633,12 @@ def _substitute(plan: Plan, call: int) -> Any:
 class _Flight:
     """What a started exchange's two nodes share: its forward pass in flight, then its backward pass in flight."""
 
-    __slots__ = ("backward", "forward")
+    __slots__ = ("backward", "batched", "forward")
 
     def __init__(self) -> None:
         self.forward: Pending | None = None
         self.backward: Pending | None = None
+        self.batched = False  # the start ran its vmap rule: the finish takes the zero of _graph.vmapped to run its own
 
 
 @twinned
@@ -648,6 +658,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        args[3].batched = True
         return _batched(_Start, info, in_dims, args, token=True)
 
     @staticmethod
@@ -719,8 +730,9 @@ class HaloRequest:
         Raises:
             RuntimeError: it was already completed.
         """
-        # under vmap, batched where the start was: on a member whose block is not, the start's zero of _graph.vmapped
-        return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight, *_graph.vmapped())
+        # batched where the start was (on a member whose block is not, by the zero of _graph.vmapped, as the start)
+        zero = _graph.vmapped() if self._flight.batched else ()
+        return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight, *zero)
 
 
 def halo_exchange_start(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> HaloRequest:

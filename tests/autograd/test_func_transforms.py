@@ -251,6 +251,31 @@ def test_the_in_place_exchange_of_a_block_not_batched_here_under_vmap_is_refused
     assert ag.all_reduce(torch.ones(1, dtype=torch.float64)).item() == SIZE  # the group goes on
 
 
+def test_the_in_place_exchange_of_a_block_no_process_batches_under_vmap() -> None:
+    """A block batched nowhere, in a vmapped function: the exchange runs batched (its peers cannot know), and, every
+    member alike, its result goes into the block; a split exchange started outside the vmap ends inside it."""
+    cart = dist.new_cart_group((0,), True)
+    block, factors = _random(44)[:, 0], torch.arange(1.0, 4.0, dtype=torch.float64)
+    want = ag.halo_exchange(block, cart, 1).detach()
+    got = torch.func.vmap(lambda f: ag.halo_exchange_(block.clone(), cart, 1) * f)(factors)
+    assert torch.equal(got, want * factors[:, None])
+    request = ag.halo_exchange_start(block, cart, 1)
+    assert torch.equal(torch.func.vmap(lambda f: request.wait() * f)(factors), want * factors[:, None])
+
+
+def test_forward_over_reverse_runs_each_collective_once_per_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``jvp(grad(loss))`` through one all-reduce: the forward, its backward, and each one's tangent, four in all
+    (a forward-mode zero at the ``grad`` level ran the rules twice more, on every process)."""
+    from tensorplay_p2p.autograd import _collectives
+
+    calls = []
+    real = _collectives.api.all_reduce
+    monkeypatch.setattr(_collectives.api, "all_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, v = _random(45), _random(46)
+    torch.func.jvp(torch.func.grad(lambda t: (ag.all_reduce(t * t) ** 2).sum()), (x,), (v,))
+    assert len(calls) == 4
+
+
 def test_a_batch_size_that_differs_between_processes_is_a_size_error() -> None:
     """vmap over a batch of 2 + rank on each process: every receive is the wrong size, and each process says so;
     the group goes on."""
