@@ -7,7 +7,8 @@ costs more than a small exchange's own Python work.  ``twinned`` gives each such
 calls the twin (through the C ``apply`` that ``Function.apply`` ends in), or the Function itself under a torch.func
 transform.  Where nothing can be differentiated (grad mode off, as in every first-order backward pass and under
 ``torch.no_grad()``, and no forward-mode level open), ``apply`` calls the forward alone: torch would record no node
-and carry no tangent, only build and drop a context.
+and carry no tangent, only build and drop a context.  Under a torch profiler it records the range the twin would have,
+under the twin's name.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def _direct(twin: Any) -> Any:
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_profiling = torch.autograd._profiler_enabled
 _Tensor = torch.Tensor
 
 
@@ -116,7 +118,11 @@ def apply(cls: Any, *args: Any) -> Any:
     given = [_unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args]
     if torch.is_grad_enabled() or forward_ad._current_level >= 0:
         return cls.direct(*given)
-    output = cls.forward(*given)
+    if _profiling():  # the range the Function would have recorded, under the same name
+        with torch.autograd.profiler.record_function(cls.eager.__name__):
+            output = cls.forward(*given)
+    else:
+        output = cls.forward(*given)
     for i in cls.modifies:
         torch.autograd.graph.increment_version(given[i])
     return output

@@ -236,6 +236,20 @@ def test_without_grad_mode_the_forward_alone_runs_and_still_moves_the_version_on
     assert torch.equal(carried, ag.halo_exchange(tangent, cart, 1, True))
 
 
+def test_a_profile_names_each_op_with_or_without_grad_mode() -> None:
+    """The range a Function records, under its name, where the forward runs alone too: in ``torch.no_grad()`` and in
+    a first-order backward pass (the exchange's adjoint)."""
+    cart = _cart((0,), True)
+    x = torch.ones(6, 2, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.profiler.profile() as profile:
+        ag.halo_exchange(x, cart, 1).sum().backward()
+        with torch.no_grad():
+            ag.all_reduce(x)
+    names = [e.name for e in profile.function_events]
+    assert names.count("_FillEager") == 1 and names.count("_AddBackEager") == 1, names
+    assert names.count("_AllReduceEager") == 1, names
+
+
 def test_the_guard_shares_a_tensor_s_hooks_with_the_program_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard a dropped result leaves sits in the input's hook dict beside hooks the program registered before
     and after it, on a leaf and on a non-leaf: every hook runs, the program's handles still remove theirs, and the
