@@ -106,7 +106,7 @@ def _direct(twin: Any) -> Any:
 
 
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_profiling = torch.autograd._profiler_enabled
+_profiling = torch._C._autograd._profiler_enabled
 _Tensor = torch.Tensor
 
 
