@@ -46,27 +46,27 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
     """What a differentiable op takes last: ``(anchor(),)`` in grad mode, nothing outside it; and a zero that makes
     torch run the op's rule for a transform on every member alike, whatever its own inputs:
 
-    - under an open forward-mode level (``torch.autograd.forward_ad``, or ``torch.func.jvp`` as the innermost
-      transform), a dual zero: a member none of whose inputs carries a tangent (a batch that only receives, an input
-      without one) still runs the op's forward-mode rule, and posts the tangent messages its peers send it.  None
-      where forward mode is off (in an op's own forward-mode rule), nor for an op whose tensor ``like`` has a dtype
-      that carries no tangent (integers, bool): no member computes a tangent for it;
-    - under ``torch.func.vmap`` as the innermost transform, the zero of ``vmapped()``.
-
-    Only the innermost transform gets one: at an outer ``jvp`` level (``jvp`` of ``grad``, of ``vmap``), every member
-    must give tangents to the same ops (docs/autograd.md)."""
+    - under an open forward-mode level (``torch.autograd.forward_ad``, ``torch.func.jvp``), a zero that is dual at
+      every forward-mode level: a member none of whose inputs carries a tangent there (a batch that only receives, an
+      input without one) still runs the op's forward-mode rule at that level, and posts the tangent messages its peers
+      send it.  No tangent where forward mode is off (in an op's own forward-mode rule), nor for an op whose tensor
+      ``like`` has a dtype that carries none (integers, bool): no member computes a tangent for it;
+    - under ``torch.func.vmap`` as the innermost transform, a zero batched at every vmap level (``vmapped``)."""
     grad = ((_anchor if _anchor is not None else anchor()),) if _grad_enabled() else ()
     if forward_ad._current_level < 0 and not _transforms_active():  # eager, forward mode off: every call but these
         return grad
-    stack = _interpreters() if _transforms_active() else None
-    innermost = stack[-1].key() if stack else None
-    if innermost == _VMAP:
-        return (*grad, _batched_zero(stack))
-    if innermost not in (None, _JVP) or forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():
+    tangent = (
+        forward_ad._current_level >= 0
+        and torch._C._is_fwd_grad_enabled()
+        and (like is None or like.dtype.is_floating_point or like.dtype.is_complex)
+    )
+    if not _transforms_active():
+        return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(()))) if tangent else grad
+    stack = _interpreters()
+    batched = stack[-1].key() == _VMAP
+    if not (batched or (tangent and any(i.key() == _JVP for i in stack))):
         return grad
-    if like is not None and not (like.dtype.is_floating_point or like.dtype.is_complex):
-        return grad
-    return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(())))
+    return (*grad, _transformed_zero(stack, batched, tangent))
 
 
 def vmapped() -> tuple[Any, ...]:
@@ -77,14 +77,27 @@ def vmapped() -> tuple[Any, ...]:
     if not _transforms_active():
         return ()
     stack = _interpreters()
-    return (_batched_zero(stack),) if stack and stack[-1].key() == _VMAP else ()
+    return (_transformed_zero(stack, True, False),) if stack[-1].key() == _VMAP else ()
 
 
-def _batched_zero(stack: Any) -> Any:
-    vmaps = [i for i in stack if i.key() == _VMAP]  # the outermost first
-    zero = torch.zeros(tuple(_Vmap(i).batchSize() for i in vmaps))
-    for i in vmaps:  # the outermost level first, as vmap itself wraps a nested batch
-        zero = _add_batch_dim(zero, 0, i.level())
+def _transformed_zero(stack: Any, batched: bool, tangent: bool) -> Any:
+    """A zero made level by level, from the outermost transform in: batched at each vmap level (``batched``), dual at
+    each forward-mode level (``tangent``), each with that level's transform innermost, as the transform itself makes
+    its inputs."""
+    shape = tuple(_Vmap(i).batchSize() for i in stack if i.key() == _VMAP) if batched else ()
+    layers = [_pop() for _ in stack]  # the innermost first
+    try:
+        zero = torch.zeros(shape)  # plain: made with no transform on
+        while layers:
+            _push(layers.pop())
+            top = _peek()
+            if top.key() == _JVP and tangent:
+                zero = forward_ad.make_dual(zero, torch.zeros_like(zero))
+            elif top.key() == _VMAP and batched:
+                zero = _add_batch_dim(zero, 0, top.level())
+    finally:
+        while layers:
+            _push(layers.pop())
     return zero
 
 
@@ -93,6 +106,9 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _interpreters = torch._C._functorch.get_interpreter_stack
 _add_batch_dim = torch._C._functorch._add_batch_dim
 _Vmap = torch._C._functorch.CVmapInterpreterPtr
+_peek = torch._C._functorch.peek_interpreter_stack
+_pop = torch._C._functorch.pop_dynamic_layer_stack
+_push = torch._C._functorch.push_dynamic_layer_stack
 _VMAP = torch._C._functorch.TransformType.Vmap
 _JVP = torch._C._functorch.TransformType.Jvp
 

@@ -4,7 +4,7 @@ reverse, reverse over forward, reverse over reverse) against eager double backwa
 member of the batch (with the batch on some processes only, too), ``jacrev`` and ``jacfwd`` against eager vector
 products, and the Jacobian and Hessian of a global function (a halo exchange between the collectives that scatter and
 assemble it) against one process; forward-mode AD through the split halo exchange, with tangents on some processes
-only (every op), and on integers."""
+only (every op, and forward over reverse), and on integers."""
 
 from __future__ import annotations
 
@@ -131,6 +131,29 @@ def test_forward_mode_with_tangents_on_some_processes_only(name: str) -> None:
     out, tangent = torch.func.jvp(lambda t: op(t if given else x), (x,), (v,))
     assert torch.equal(out, op(x).detach()) and torch.equal(tangent, want)
     assert torch.equal(op(x + 1).detach(), after)  # the next op's messages met their own receives
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_over_reverse_with_tangents_on_some_processes_only(name: str) -> None:
+    """``jvp(grad(loss))`` where the outer tangent reaches the op on even processes only (odd ones ignore ``u``): the
+    same Hessian-vector product as where every process takes ``u`` with a zero tangent on the odd ones, and the next
+    op meets its own messages."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    x, after = _random(51), op(_random(54)).detach()
+    given = RANK % 2 == 0
+    u = _random(52) if given else torch.ones(SHAPE, dtype=torch.float64)
+    du = _random(53) if given else torch.zeros(SHAPE, dtype=torch.float64)
+
+    def hvp(ignore: bool) -> Any:
+        def f(w: Any) -> Any:
+            return torch.func.grad(lambda t: (op(t if ignore and not given else t * w) ** 2).sum())(x)
+
+        return torch.func.jvp(f, (u,), (du,))
+
+    (want, want_tangent), (got, got_tangent) = hvp(False), hvp(True)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(got_tangent, want_tangent, rtol=1e-12, atol=1e-12)
+    assert torch.equal(op(_random(54)).detach(), after)
 
 
 def test_forward_mode_on_integers_carries_no_tangent() -> None:
