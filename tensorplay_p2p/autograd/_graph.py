@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["Duty", "anchor", "anchors", "guard", "ran", "vmapped"]
+__all__ = ["Duty", "anchor", "anchors", "differentiable", "guard", "ran", "vmapped"]
 
 _anchor: Any = None
 
@@ -58,7 +58,7 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
     tangent = (
         forward_ad._current_level >= 0
         and torch._C._is_fwd_grad_enabled()
-        and (like is None or like.dtype.is_floating_point or like.dtype.is_complex)
+        and (like is None or differentiable(like.dtype))
     )
     if not _transforms_active():
         return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(()))) if tangent else grad
@@ -67,6 +67,11 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
     if not (batched or (tangent and any(i.key() == _JVP for i in stack))):
         return grad
     return (*grad, _transformed_zero(stack, batched, tangent))
+
+
+def differentiable(dtype: Any) -> bool:
+    """Whether a tensor of ``dtype`` carries a gradient and a tangent: floating point and complex, not integers."""
+    return bool(dtype.is_floating_point or dtype.is_complex)
 
 
 def vmapped() -> tuple[Any, ...]:

@@ -562,8 +562,7 @@ def _alike(members: Any) -> bool:
 
 
 def _anchored(x: Any) -> tuple[Any, ...]:
-    differentiable = x.dtype.is_floating_point or x.dtype.is_complex
-    return _graph.anchors(x) if differentiable else _graph.vmapped()
+    return _graph.anchors(x) if _graph.differentiable(x.dtype) else _graph.vmapped()
 
 
 def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False) -> Any:

@@ -108,13 +108,13 @@ class _Batch(torch.autograd.Function):
         # over forward mode, must meet its own messages, not the primal's), anchored as any batch is
         given = iter(tangents[2:])
         carried = [(m, next(given) if m.sends else None) for m in ctx.messages]
-        carried = [(m, t) for m, t in carried if _carries_tangent(m)]
+        carried = [(m, t) for m, t in carried if _graph.differentiable(m.dtype)]
         if not carried:
             return (None,) * len(ctx.messages)
         sent = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if t is None else t for m, t in carried if m.sends]
         messages = _renumbered(ctx.pg, tuple(m for m, _ in carried))
         outputs = iter(apply(_Batch, ctx.pg, messages, *sent, *_graph.anchors()))
-        return tuple(next(outputs) if _carries_tangent(m) else None for m in ctx.messages)
+        return tuple(next(outputs) if _graph.differentiable(m.dtype) else None for m in ctx.messages)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], pg: ProcessGroup, messages: tuple[Any, ...], *inputs: Any) -> Any:
@@ -124,10 +124,6 @@ class _Batch(torch.autograd.Function):
         _, _, *sent = batch_moved(info, in_dims, (pg, messages, *inputs), positions, 0)
         batched = tuple(replace(m, shape=(info.batch_size, *m.shape)) for m in messages)
         return apply(_Batch, pg, batched, *sent), tuple(None if m.sends else 0 for m in messages)
-
-
-def _carries_tangent(m: _Message) -> bool:
-    return bool(m.dtype.is_floating_point or m.dtype.is_complex)
 
 
 def _renumbered(pg: ProcessGroup, messages: tuple[_Message, ...]) -> tuple[_Message, ...]:
