@@ -49,15 +49,18 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
     - under an open forward-mode level (``torch.autograd.forward_ad``, ``torch.func.jvp``), a zero that is dual at
       every forward-mode level: a member none of whose inputs carries a tangent there (a batch that only receives, an
       input without one) still runs the op's forward-mode rule at that level, and posts the tangent messages its peers
-      send it.  No tangent where forward mode is off (in an op's own forward-mode rule), nor for an op whose tensor
-      ``like`` has a dtype that carries none (integers, bool): no member computes a tangent for it;
+      send it.  In an op's own forward-mode rule, forward mode is off at that rule's level: under torch.func the
+      zero is then dual at the levels around it (the interpreter stack holds only those), so that the rule's tangent
+      op runs the outer levels' rules on every member (``jvp`` of ``jvp``, with the outer tangent reaching the inner
+      tangent on some members only); outside torch.func (one level only) it takes none.  No tangent for an op whose
+      tensor ``like`` has a dtype that carries none (integers, bool): no member computes a tangent for it;
     - under ``torch.func.vmap`` as the innermost transform, a zero batched at every vmap level (``vmapped``)."""
     grad = ((_anchor if _anchor is not None else anchor()),) if _grad_enabled() else ()
     if forward_ad._current_level < 0 and not _transforms_active():  # eager, forward mode off: every call but these
         return grad
     tangent = (
         forward_ad._current_level >= 0
-        and torch._C._is_fwd_grad_enabled()
+        and (_transforms_active() or torch._C._is_fwd_grad_enabled())
         and (like is None or differentiable(like.dtype))
     )
     if not _transforms_active():

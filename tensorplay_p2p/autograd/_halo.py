@@ -547,11 +547,13 @@ class _FillInPlace(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
         # the tangent in place, as torch wants it for a dirty input: by the pass itself where nothing can differentiate
-        # the tangent, else by a copy of the differentiable op (reverse over forward mode; under a transform)
+        # the tangent, else by this differentiable op in turn (reverse over forward mode; under a transform), whose
+        # rules carry the tangent's own tangents at the levels around this one (a copy of the out-of-place op into the
+        # tangent lost them: under jvp of jvp the outer tangent of the inner one kept its ghosts unexchanged)
         if not torch.is_grad_enabled() and tangent.is_contiguous() and not torch._C._are_functorch_transforms_active():
             ctx.plan.run(tangent, number(ctx.plan), False)
         else:
-            tangent.copy_(_tangent(tangent, ctx.plan))
+            apply(_FillInPlace, tangent, ctx.plan, number(ctx.plan), *_anchored(tangent))
         return tangent
 
 

@@ -156,6 +156,32 @@ def test_forward_over_reverse_with_tangents_on_some_processes_only(name: str) ->
     assert torch.equal(op(_random(54)).detach(), after)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_over_forward_with_tangents_on_some_processes_only(name: str) -> None:
+    """``jvp`` of ``jvp(op)`` where the outer tangent reaches the inner tangent on even processes only (odd ones give
+    a constant inner tangent): the same as where every process's inner tangent takes the outer variable, with a zero
+    outer tangent on the odd ones, and the next op meets its own messages.  (Before, the odd processes' inner tangent
+    op ran no outer forward-mode rule, and their peers' outer tangent messages were left unmatched: a wrong tangent,
+    then a hang.)"""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    x, v, after = _random(61), _random(62), op(_random(64)).detach()
+    given = RANK % 2 == 0
+    s = _random(63) if given else torch.ones(SHAPE, dtype=torch.float64)
+    ds = _random(65) if given else torch.zeros(SHAPE, dtype=torch.float64)
+
+    def twice(ignore: bool) -> Any:
+        def f(w: Any) -> Any:
+            return torch.func.jvp(op, (x,), (v if ignore and not given else v * w,))
+
+        return torch.func.jvp(f, (s,), (ds,))
+
+    (want, want_tangent), (got, got_tangent) = twice(False), twice(True)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(got_tangent, want_tangent, rtol=1e-13, atol=1e-13)
+    assert torch.equal(want_tangent[1], op(v * ds).detach())  # the op of the outer tangent that reached it
+    assert torch.equal(op(_random(64)).detach(), after)
+
+
 def test_forward_mode_on_integers_carries_no_tangent() -> None:
     """An op on integers under a forward-mode level: its value, and no tangent (torch carries none for integers)."""
     cart = dist.new_cart_group((0,), True)
