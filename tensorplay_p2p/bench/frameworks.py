@@ -45,6 +45,8 @@ two (``_layers``).  ``--steps`` (torch only) measures training steps instead: a 
 gloo, and the same steps with the package's collectives called directly (``_steps``).  ``--autograd`` (torch only)
 times the differentiable halo exchange of ``tensorplay_p2p.autograd`` against the persistent one, its backward against
 its forward, a training step against a DistDL-style mpi4py Function, and memory over 10,000 steps (``_autograd``).
+``--nodes`` (torch only, one process) times one autograd node made each way torch allows, C++ ones built at run time,
+and where the package's in-place halo exchange spends a call (``_nodes``).
 
 ``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
 names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...).  For
@@ -72,7 +74,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import _autograd, _layers, _steps
+from . import _autograd, _layers, _nodes, _steps
 from ._config import comma_list, parse_size
 from ._report import format_figure
 from ._timing import (
@@ -176,6 +178,7 @@ class Config:
     layers: bool = False  # instead of the benchmarks: torch's layer and the backend's share (``_layers``)
     steps: bool = False  # instead of the benchmarks: DDP and FSDP2 steps, and their twins on the package (``_steps``)
     autograd: bool = False  # instead of the benchmarks: the differentiable halo exchange (``_autograd``)
+    nodes: bool = False  # instead of the benchmarks: one autograd node, made each way torch allows (``_nodes``)
 
 
 def sizes_between(low: int, high: int, step: int) -> tuple[int, ...]:
@@ -238,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         "its backward against its forward, a step against a DistDL-style mpi4py Function, and memory over 10,000 "
         "steps",
     )
+    add(
+        "--nodes",
+        action="store_true",
+        help="instead of the benchmarks (torch only, one process): one autograd node made each way torch allows (a "
+        "Python Function as the package applies its own, torch::autograd::Function in C++, a hand-wired C++ Node, "
+        "torch's own op), the C++ built at run time",
+    )
     return parser
 
 
@@ -263,8 +273,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         parser.error("--reps and --threads must be at least 1")
     if args.scale <= 0:
         parser.error("--scale must be positive")
-    if args.layers + args.steps + args.autograd > 1:
-        parser.error("--layers, --steps and --autograd are separate runs: give one")
+    if args.layers + args.steps + args.autograd + args.nodes > 1:
+        parser.error("--layers, --steps, --autograd and --nodes are separate runs: give one")
     return Config(
         benchmarks=args.benchmarks,
         sizes=sizes_between(args.min_size, args.max_size, args.step),
@@ -277,6 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         layers=args.layers,
         steps=args.steps,
         autograd=args.autograd,
+        nodes=args.nodes,
     )
 
 
@@ -852,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         say(f"bench.frameworks needs {framework.name} ({exc}); install it, e.g. {framework.install}")
         return 2
-    if config.autograd:
+    if config.autograd or config.nodes:
         return _measure_autograd(config)
     if config.layers or config.steps:
         return _measure_torch_only(config)
@@ -895,10 +906,16 @@ def _measure_torch_only(config: Config) -> int:
 
 
 def _measure_autograd(config: Config) -> int:
-    """``--autograd``: the table of ``_autograd`` (rank 0); 2 where the framework is not torch."""
+    """``--autograd`` or ``--nodes``: the table of ``_autograd`` or ``_nodes`` (rank 0); 2 where the framework is not
+    torch."""
     if config.framework != "torch":
-        say("bench.frameworks --autograd measures torch only")
+        say(f"bench.frameworks {'--nodes' if config.nodes else '--autograd'} measures torch only")
         return 2
+    if config.nodes:
+        nodes = _nodes.measure_nodes(config.reps, config.scale)
+        if nodes is not None:
+            print(_nodes.format_nodes(nodes, config.markdown), flush=True)
+        return 0
     results = _autograd.measure_autograd(config.reps, config.scale)
     memory = _autograd.measure_memory(max(100, round(_autograd.MEMORY_STEPS * min(config.scale, 1.0))))
     if COMM.Get_rank() == 0:

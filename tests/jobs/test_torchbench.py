@@ -185,6 +185,81 @@ def test_autograd_table_prints_every_series_and_its_ratios() -> None:
     assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
 
 
+def test_nodes_table_times_each_way_of_making_a_node() -> None:
+    """``--nodes`` (tiny): one autograd node made each way, each less the op's own work, over the Python Function's.
+    Where a C++ compiler is expected (``TP2P_EXPECT_ENGINE=compiled``, as in CI), its C++ series must be built and
+    timed; elsewhere they may be left out, with the reason."""
+    pytest.importorskip("torch")
+    done = torchbench("--nodes", "--scale", "0.01", "--reps", "2", "--markdown")
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("### one autograd node, made each way"), done.stdout
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("|")]
+    rows = {(r[0], r[1]): r[2:] for r in cells if len(r) == 5}
+    built = ("in place", "C++ Node") in rows
+    if os.environ.get("TP2P_EXPECT_ENGINE") == "compiled":
+        assert built, done.stdout
+    if not built:
+        assert any(line.startswith("the C++ series are left out: ") for line in lines), done.stdout
+    ways = ["torch's op", "Python Function", *(["C++ Function", "C++ Node"] if built else []), "no node"]
+    for kind in ("in place", "new tensor"):
+        bare = float(rows[kind, "no node"][0])
+        python = float(rows[kind, "Python Function"][0]) - bare
+        for way in ways:
+            figures = rows[kind, way]
+            assert float(figures[0]) > 0, (kind, way)
+            if way == "no node":
+                assert figures[1:] == ["", ""], (kind, way)
+                continue
+            assert math.isclose(float(figures[1]), float(figures[0]) - bare, rel_tol=0.02, abs_tol=0.01), (kind, way)
+            if python > 0:
+                assert math.isclose(float(figures[2]), (float(figures[0]) - bare) / python, rel_tol=0.05, abs_tol=0.01)
+    assert (("a C++ function returning its tensor", "pybind11 call") in rows) == built, done.stdout
+    # the package's in-place exchange on a grid of one process: less its compiled pass, and over the persistent step
+    assert (
+        lines.count(
+            "### the package's in-place halo exchange on a grid of one process (16x16, 1 ghost layer, "
+            "corners; us per call)"
+        )
+        == 1
+    ), done.stdout
+    exchange = {r[0]: r[1:] for r in cells if len(r) == 4 and r[0] != "series" and not r[0].startswith("---")}
+    op, own, persistent = (
+        float(exchange[name][0]) for name in ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
+    )
+    assert min(op, own, persistent) > 0, done.stdout
+    assert math.isclose(float(exchange["halo_exchange_"][1]), op - own, rel_tol=0.02, abs_tol=0.01), done.stdout
+    assert math.isclose(float(exchange["halo_exchange_"][2]), op / persistent, rel_tol=0.02), done.stdout
+    assert math.isclose(float(exchange["its compiled pass"][2]), own / persistent, rel_tol=0.02), done.stdout
+    assert exchange["persistent HaloExchange"] == [exchange["persistent HaloExchange"][0], "", "1"], done.stdout
+
+
+def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why() -> None:
+    """Where ``_nodes.cpp`` cannot be built (here: no ninja), ``--nodes`` times the rest and says why."""
+    pytest.importorskip("torch")
+    script = (
+        "from torch.utils import cpp_extension\n"
+        "def no_ninja():\n"
+        "    raise RuntimeError('Ninja is required to load C++ extensions')\n"
+        "cpp_extension.verify_ninja_availability = no_ninja\n"
+        "from tensorplay_p2p.bench import _nodes\n"
+        "module, why = _nodes.build()\n"
+        "assert module is None and why == 'torch.utils.cpp_extension cannot build it: Ninja is required to load C++ "
+        "extensions', why\n"
+        "names = _nodes.names(False)\n"
+        "assert not any('C++' in n for n in names) and 'pybind11 call' not in names, names\n"
+        "names = _nodes.names(False, compiled=False)\n"
+        "print(_nodes.format_nodes(_nodes.Nodes({n: 1.0 + i for i, n in enumerate(names)}, why, False)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=LIMIT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    why = "torch.utils.cpp_extension cannot build it: Ninja is required to load C++ extensions"
+    assert f"the C++ series are left out: {why}" in lines, done.stdout
+    assert "its compiled pass is left out: the compiled engine is not in use" in lines, done.stdout
+    assert not any("C++" in line and "left out" not in line for line in lines), done.stdout
+    assert not any(line.split()[:3] == ["its", "compiled", "pass"] and "left out" not in line for line in lines)
+
+
 def test_layers_steps_and_autograd_are_separate_runs() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tensorplay_p2p.bench.frameworks", "--layers", "--steps"],
@@ -193,4 +268,4 @@ def test_layers_steps_and_autograd_are_separate_runs() -> None:
         timeout=LIMIT,
         env=dict(os.environ),
     )
-    assert done.returncode == 2 and "--layers, --steps and --autograd are separate runs" in done.stderr
+    assert done.returncode == 2 and "--layers, --steps, --autograd and --nodes are separate runs" in done.stderr

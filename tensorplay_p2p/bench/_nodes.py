@@ -1,0 +1,261 @@
+"""What one autograd node costs, made each way torch allows (``python -m tensorplay_p2p.bench.frameworks --nodes``).
+
+A differentiable op's forward is its work plus one autograd node.  This measures the node, made by ops that do no
+work (the identity), so that an op's node cost can be told apart from its own: whether writing the package's nodes in
+C++ would make its differentiable ops cheaper.  In one process (rank 0; the others wait), interleaved:
+
+- ``in place``: the op writes ``x`` in place (a new alias each call, ``x.detach()``, which requires no gradient) and
+  takes a 0-d leaf that requires one as a second input, as the package's ops take their anchor;
+
+  - ``torch's op``: ``x.add_(anchor)``, a built-in op of torch's own (its node ``AddBackward0``);
+  - ``Python Function``: a ``torch.autograd.Function`` that marks ``x`` dirty, applied as the package applies its
+    own (the ``ctx``-first style, through the C ``apply`` of ``autograd._function``);
+  - ``C++ Function``: the same as a ``torch::autograd::Function`` in C++, called through pybind11;
+  - ``C++ Node``: a ``torch::autograd::Node`` subclass wired by hand, as torch's generated code wires its own ops'
+    nodes (``collect_next_edges``, ``rebase_history``), called through pybind11;
+  - ``no node``: the alias alone, what every series above does besides its node;
+
+- ``new tensor``: the op returns a copy of a leaf that requires a gradient: ``torch's op`` is ``clone``, the others as
+  above with ``clone`` below autograd, and ``no node`` a ``clone`` of a tensor that requires no gradient;
+- ``pybind11 call``: a C++ function that returns its tensor: what calling C++ from Python costs at least;
+- ``exchange``: where the package's own in-place op spends its time, on a grid of this process alone (2-D, periodic,
+  a 16 x 16 block with one ghost layer and corners: every neighbour is the process itself, so the exchange is copies
+  and no message):
+
+  - ``halo_exchange_``: ``autograd.halo_exchange_(x.detach())`` in grad mode, with its node;
+  - ``its compiled pass``: the same pass run alone (one ``HaloPass`` call: the gather and scatter); the difference is
+    what the op's Python and its node add to each call (left out without the compiled engine);
+  - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
+
+The C++ (``_nodes.cpp``) is built when the run starts, with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
+about half a minute here).  Where it cannot be built, its series are left out and the reason said.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpi4py import MPI
+
+from ._report import format_figure, format_rows
+from ._timing import Loop, idle_loop, slowest_medians, time_interleaved, timed
+
+__all__ = ["EXCHANGE", "KINDS", "WAYS", "Nodes", "build", "format_nodes", "measure_nodes", "names"]
+
+COMM = MPI.COMM_WORLD
+_SOURCE = Path(__file__).with_name("_nodes.cpp")
+KINDS = ("in place", "new tensor")
+WAYS = ("torch's op", "Python Function", "C++ Function", "C++ Node", "no node")
+_CPP = ("C++ Function", "C++ Node")
+EXCHANGE = ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
+ITERATIONS, WARMUP = 20_000, 1_000  # at scale 1
+SIDE = 18  # the 16 x 16 block of ``--autograd`` with its ghost layers
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Each series' median time, in microseconds (``"<kind>: <way>"``, and ``"pybind11 call"``); ``why`` says why
+    the C++ series are missing, where they are."""
+
+    us: dict[str, float]
+    why: str
+    compiled: bool = True  # whether the package's compiled engine ran the exchange's pass (``its compiled pass``)
+
+
+def build() -> tuple[Any, str]:
+    """The built ``_nodes.cpp`` and "", else None and why it could not be built."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+    except (ImportError, RuntimeError) as exc:
+        return None, f"torch.utils.cpp_extension cannot build it: {exc}"
+    folder = tempfile.mkdtemp(prefix="tensorplay_p2p_nodes_")
+    try:
+        module = cpp_extension.load(
+            "tensorplay_p2p_bench_nodes",
+            [str(_SOURCE)],
+            extra_cflags=["-O2"],
+            build_directory=folder,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build
+        lines = str(exc).strip().splitlines()
+        return None, f"building _nodes.cpp failed: {lines[-1] if lines else type(exc).__name__}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # loaded, the library stays mapped
+    return module, ""
+
+
+def _python_function(torch: Any, new: bool) -> Any:
+    """The identity as a ctx-first ``torch.autograd.Function``, applied as the package applies its ops."""
+    from tensorplay_p2p.autograd import _function
+
+    def forward(ctx: Any, x: Any, *anchor: Any) -> Any:
+        if new:
+            return x.clone()
+        ctx.mark_dirty(x)
+        return x
+
+    def backward(ctx: Any, grad: Any) -> Any:
+        return grad if new else (grad, None)
+
+    cls = type(
+        "NewTensor" if new else "InPlace",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+    return _function._direct(cls)
+
+
+def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]]:
+    """The ``exchange`` series' bodies on ``cart`` (a periodic grid of this process alone), and what closes them."""
+    import tensorplay_p2p as tp
+    from tensorplay_p2p import autograd as ag
+    from tensorplay_p2p.autograd import _halo
+
+    x = torch.randn(SIDE, SIDE, dtype=torch.float64)
+    persistent = x.clone()
+    plan = tp.HaloExchange(persistent, cart, halo=1, corners=True)
+    assert ag.halo_exchange_(x.detach(), cart, 1, corners=True).grad_fn is not None  # in grad mode: a node
+    bodies = {
+        "exchange: halo_exchange_": lambda: ag.halo_exchange_(x.detach(), cart, 1, corners=True),
+        "exchange: persistent HaloExchange": plan.exchange,
+    }
+    halo = _halo.plan_for(x, cart, 1, True, "halo_exchange_")
+    call = _halo.number(halo)
+    part = halo._pass(call, False)
+    halo._release(call, False, None)
+    if part.kernel is not None:
+        bodies["exchange: its compiled pass"] = lambda: part.kernel.run(x.data_ptr())
+    return bodies, plan.close
+
+
+def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
+    """Each series' body, checked first to make the node it is timed for."""
+    import torch
+
+    x = torch.randn(SIDE, SIDE, dtype=torch.float64)
+    anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    leaf = x.clone().requires_grad_(True)
+    in_place, new = _python_function(torch, False), _python_function(torch, True)
+    bodies: dict[str, Callable[[], Any]] = {
+        "in place: torch's op": lambda: x.detach().add_(anchor),
+        "in place: Python Function": lambda: in_place(x.detach(), anchor),
+        "in place: no node": lambda: x.detach(),
+        "new tensor: torch's op": lambda: leaf.clone(),
+        "new tensor: Python Function": lambda: new(leaf),
+        "new tensor: no node": lambda: x.clone(),
+    }
+    if module is not None:
+        bodies |= {
+            "in place: C++ Function": lambda: module.function_in_place(x.detach(), anchor),
+            "in place: C++ Node": lambda: module.node_in_place(x.detach(), anchor),
+            "new tensor: C++ Function": lambda: module.function_new(leaf),
+            "new tensor: C++ Node": lambda: module.node_new(leaf),
+            "pybind11 call": lambda: module.call(x),
+        }
+    for name, body in bodies.items():
+        made = body()
+        if name.startswith("exchange"):
+            continue
+        if name.endswith("no node") or name == "pybind11 call":
+            assert made.grad_fn is None, name
+            continue
+        assert made.grad_fn is not None, name
+        if name.startswith("new"):  # the node passes the gradient through to the leaf
+            (grad,) = torch.autograd.grad(made.sum(), leaf)
+            assert torch.equal(grad, torch.ones_like(leaf)), name
+    return bodies
+
+
+def _repeat(body: Any) -> Any:
+    def loop(n: int) -> None:
+        for _ in range(n):
+            body()
+
+    return loop
+
+
+def names(built: bool, compiled: bool = True) -> list[str]:
+    """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass)."""
+    listed = [f"{kind}: {way}" for kind in KINDS for way in WAYS if built or way not in _CPP]
+    listed += ["pybind11 call"] if built else []
+    return listed + [f"exchange: {way}" for way in EXCHANGE if compiled or way != "its compiled pass"]
+
+
+def measure_nodes(reps: int, scale: float) -> Nodes | None:
+    """Every series, interleaved, on rank 0 (the others idle alike); the result on rank 0, None elsewhere."""
+    import torch
+
+    import tensorplay_p2p as tp
+
+    torch.set_num_threads(1)
+    _, alone = tp.new_subgroups(1)  # a group of each process alone (collective)
+    cart = tp.new_cart_group((1, 1), periods=True, group=alone[COMM.Get_rank()])
+    module, why = build() if COMM.Get_rank() == 0 else (None, "")
+    built = COMM.bcast(module is not None, root=0)
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    if COMM.Get_rank() == 0:
+        bodies = _bodies(module)
+        exchange, close = _exchange(torch, cart)
+        bodies |= exchange
+    compiled = COMM.bcast(COMM.Get_rank() != 0 or "exchange: its compiled pass" in bodies, root=0)
+    series = names(built, compiled)
+    if COMM.Get_rank() == 0:
+        loops = [(name, Loop(timed(_repeat(bodies[name])))) for name in series]
+    else:
+        loops = [(name, idle_loop()) for name in series]
+    counts = max(reps, round(ITERATIONS * scale)), max(1, round(WARMUP * scale))
+    try:
+        median = slowest_medians(time_interleaved(loops, *counts, reps), series)
+    finally:
+        close()
+    if median is None:
+        return None
+    return Nodes({name: median[name] * 1e6 for name in series}, why, compiled)
+
+
+def format_nodes(result: Nodes, markdown: bool = False) -> str:
+    """The tables: each way's time for each kind of op, less the ``no node`` series (the node and the call), and that
+    over the Python Function's; then the package's in-place exchange, its compiled pass and the persistent exchange,
+    each over the persistent exchange's time."""
+    header = ["op", "made by", "us per call", "less no node", "over the Python Function's"]
+    rows = []
+    for kind in KINDS:
+        bare = result.us[f"{kind}: no node"]
+        python = result.us[f"{kind}: Python Function"] - bare
+        for way in WAYS:
+            name = f"{kind}: {way}"
+            if name not in result.us:
+                continue
+            t = result.us[name]
+            node = "" if way == "no node" else format_figure(t - bare)
+            over = "" if way == "no node" or python <= 0 else f"{(t - bare) / python:.3g}"
+            rows.append([kind, way, format_figure(t), node, over])
+    if "pybind11 call" in result.us:
+        call = format_figure(result.us["pybind11 call"])
+        rows.append(["a C++ function returning its tensor", "pybind11 call", call, "", ""])
+    title = f"one autograd node, made each way (identity ops, {SIDE}x{SIDE} float64, one process; us per call)"
+    table = format_rows(title, header, rows, markdown)
+    if result.why:
+        table += f"\nthe C++ series are left out: {result.why}"
+    op, persistent = result.us["exchange: halo_exchange_"], result.us["exchange: persistent HaloExchange"]
+    own = result.us.get("exchange: its compiled pass")
+    rows = [
+        ["halo_exchange_", format_figure(op), "" if own is None else format_figure(op - own), f"{op / persistent:.3g}"]
+    ]
+    if own is not None:
+        rows.append(["its compiled pass", format_figure(own), "", f"{own / persistent:.3g}"])
+    rows.append(["persistent HaloExchange", format_figure(persistent), "", "1"])
+    title = "the package's in-place halo exchange on a grid of one process (16x16, 1 ghost layer, corners; us per call)"
+    header = ["series", "us per call", "less its compiled pass", "over the persistent HaloExchange's"]
+    table += "\n\n" + format_rows(title, header, rows, markdown)
+    if own is None:
+        table += "\nits compiled pass is left out: the compiled engine is not in use"
+    return table
