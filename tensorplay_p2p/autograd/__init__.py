@@ -2,7 +2,7 @@
 through, each with its exact adjoint, and the checks to verify distributed gradients (docs/autograd.md).
 
 Needs torch; ``import tensorplay_p2p`` alone does not import it.  Every op returns new tensors (``halo_exchange_``
-works in place) and talks on a duplicate of its group's communicator, made at the group's first differentiable op.
+works in place) and talks on duplicates of its group's communicator, made at the group's first differentiable op.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from .._src.collectives.reductions import ReduceOp
 from .._src.process.groups import ProcessGroup
 from . import _graph
 from ._function import apply, twinned
-from ._side import package_group, side
+from ._side import adjoint, package_group, side
 
 __all__ = [
     "all_gather",
@@ -84,7 +84,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_AllReduce, grad, ctx.pg, ctx.avg), *([None] * ctx.extra))
+        return (apply(_AllReduce, grad, adjoint(ctx.pg), ctx.avg), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -105,7 +105,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_ReduceFrom, grad, ctx.pg), *([None] * ctx.extra))
+        return (apply(_ReduceFrom, grad, adjoint(ctx.pg)), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -126,7 +126,7 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_CopyTo, grad, ctx.pg), *([None] * ctx.extra))
+        return (apply(_CopyTo, grad, adjoint(ctx.pg)), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -149,7 +149,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_Reduce, grad, ctx.pg, ctx.root), *([None] * ctx.extra))
+        return (apply(_Reduce, grad, adjoint(ctx.pg), ctx.root), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -174,7 +174,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_Broadcast, grad, ctx.pg, ctx.root), *([None] * ctx.extra))
+        return (apply(_Broadcast, grad, adjoint(ctx.pg), ctx.root), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -198,7 +198,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (apply(_ReduceScatter, ctx.pg, *grads), *([None] * ctx.extra))
+        return (apply(_ReduceScatter, adjoint(ctx.pg), *grads), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -224,7 +224,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (None, *apply(_AllGather, grad, ctx.pg), *([None] * ctx.extra))
+        return (None, *apply(_AllGather, grad, adjoint(ctx.pg)), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -249,7 +249,7 @@ class _AllGatherTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_ReduceScatterTensor, grad, ctx.pg), *([None] * ctx.extra))
+        return (apply(_ReduceScatterTensor, grad, adjoint(ctx.pg)), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -273,7 +273,7 @@ class _ReduceScatterTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_AllGatherTensor, grad, ctx.pg), *([None] * ctx.extra))
+        return (apply(_AllGatherTensor, grad, adjoint(ctx.pg)), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -297,7 +297,7 @@ class _AllToAllSingle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (apply(_AllToAllSingle, grad, ctx.pg, ctx.in_splits, ctx.out_splits), *([None] * ctx.extra))
+        return (apply(_AllToAllSingle, grad, adjoint(ctx.pg), ctx.in_splits, ctx.out_splits), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -323,7 +323,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (None, None, *apply(_Gather, grad, ctx.pg, ctx.root), *([None] * ctx.extra))
+        return (None, None, *apply(_Gather, grad, adjoint(ctx.pg), ctx.root), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -352,7 +352,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (apply(_Scatter, ctx.pg, ctx.root, *grads), *([None] * ctx.extra))
+        return (apply(_Scatter, adjoint(ctx.pg), ctx.root, *grads), *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:

@@ -1,8 +1,14 @@
 """The side group: where differentiable ops talk, apart from the program's own messages.
 
-Each group's differentiable traffic, forward and backward, runs on a duplicate of its communicator, made at the
-group's first differentiable op (``MPI_Comm_dup`` is collective over the group's members).  Messages there never
-match the program's messages on the group, whatever their tags.  On the duplicate, a tag says what a message is:
+Each group's differentiable traffic runs on two duplicates of its communicator, made together at the group's first
+differentiable op (``MPI_Comm_dup`` is collective over the group's members).  Messages there never match the
+program's messages on the group, whatever their tags.  A collective's adjoint (the collective its backward runs) goes
+on the second duplicate (``adjoint``), so that it never meets a forward collective: MPI matches collectives by their
+order alone, and a member whose backward pass skipped an op (``torch.autograd.grad`` with ``inputs`` its input does
+not reach) would otherwise have its next forward collective take its peers' backward one, both silently wrong; its
+peers now wait for it instead, until a timeout.  The adjoint of an adjoint (second order) goes back on the first.
+Point-to-point and halo messages, forward and backward, go on the first duplicate, where a tag says what a message
+is:
 
 - bit 0, the pass: 0 forward, 1 backward (the adjoint's messages);
 - bit 1, the op: 0 point-to-point (``sendrecv``, ``batch_isend_irecv``), 1 halo exchange;
@@ -32,19 +38,30 @@ from .._src.process.groups import ProcessGroup
 from .._src.process.runtime import tag_upper_bound
 from .._src.settings import state
 
-__all__ = ["HALO_DIRECTIONS", "P2P_WINDOW", "Side", "complete", "largest_p2p_tag", "owner", "package_group", "side"]
+__all__ = [
+    "HALO_DIRECTIONS",
+    "P2P_WINDOW",
+    "Side",
+    "adjoint",
+    "complete",
+    "largest_p2p_tag",
+    "owner",
+    "package_group",
+    "side",
+]
 
 HALO_DIRECTIONS = 32  # room for the 26 directions of a 3-D grid with corners
 P2P_WINDOW = 64  # messages of one tag between two processes whose adjoints may run in any order
 
 
 class Side:
-    """The duplicate of one group (``group``), and the counters that number its messages alike on every member."""
+    """The duplicates of one group (``group``, and ``adjoints`` for the collectives' adjoints), and the counters that
+    number its messages alike on every member."""
 
-    __slots__ = ("group", "halo_busy", "halo_calls", "lock", "received", "sent")
+    __slots__ = ("adjoints", "group", "halo_busy", "halo_calls", "lock", "received", "sent")
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: ProcessGroup, adjoints: ProcessGroup) -> None:
+        self.group, self.adjoints = group, adjoints
         self.halo_calls = 0
         self.halo_busy: set[tuple[int, bool]] = set()  # (slot, backward) of the halo passes in flight, every plan's
         self.sent: Counter[tuple[int, int]] = Counter()  # (group peer, program tag) -> forward sends so far
@@ -83,6 +100,8 @@ def largest_p2p_tag() -> int:
 
 _sides: weakref.WeakKeyDictionary[ProcessGroup, Side] = weakref.WeakKeyDictionary()
 _making = threading.Lock()
+# each duplicate of a side to the other (weakly: the side holds both)
+_twins: weakref.WeakKeyDictionary[ProcessGroup, weakref.ref[ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
 def side(pg: ProcessGroup) -> Side:
@@ -93,8 +112,20 @@ def side(pg: ProcessGroup) -> Side:
     with _making:
         found = _sides.get(pg)
         if found is None or found.group.communicator is None:
-            found = _sides[pg] = Side(groups.duplicate(pg, f"{pg.name}:autograd"))
+            group = groups.duplicate(pg, f"{pg.name}:autograd")
+            adjoints = groups.duplicate(pg, f"{pg.name}:autograd adjoints")
+            found = _sides[pg] = Side(group, adjoints)
+            _twins[group], _twins[adjoints] = weakref.ref(adjoints), weakref.ref(group)
     return found
+
+
+def adjoint(duplicate: ProcessGroup) -> ProcessGroup:
+    """Where the adjoint of a collective on ``duplicate`` (a side's group) runs: the side's other duplicate."""
+    twin = _twins[duplicate]()
+    if twin is None:  # its side is gone with the group: the group's own error names it
+        duplicate.live_comm("a collective's backward")
+        raise LookupError(f"{duplicate.describe()} has no adjoint group")
+    return twin
 
 
 def owner(duplicate: ProcessGroup) -> Side:

@@ -57,6 +57,39 @@ def test_a_rank_that_never_runs_backward_gives_a_timeout_naming_the_message(tmp_
     assert "DONE 0 2.0" in output and "DONE 1 2.0" in output
 
 
+def test_a_collective_whose_backward_a_rank_skipped_never_meets_its_next_collective(tmp_path: Path) -> None:
+    """Rank 1's ``torch.autograd.grad(loss, w)`` skips the all-reduce (its input does not reach ``w``), and its next
+    all-reduce comes while rank 0's backward waits for it.  Collectives match by order alone: on one communicator
+    that all-reduce took rank 0's backward one, and both went on silently wrong (rank 0's gradient and both next
+    all-reduces read 9s, where 16s and 2s are right).  The adjoints run on a communicator of their own: both wait,
+    and the watchdog ends the job naming the backward all-reduce."""
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+
+        dist.init_process_group(timeout=2)
+        rank = dist.get_rank()
+        x = torch.ones(3, dtype=torch.float64)
+        w = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
+        loss = (ag.all_reduce(x * w if rank == 0 else x * 2.0) ** 2).sum()
+        if rank == 0:
+            (grad,) = torch.autograd.grad(loss, w)
+            print("GRAD", grad.tolist(), flush=True)
+        else:
+            (grad,) = torch.autograd.grad(loss, w, allow_unused=True)  # runs nothing: w does not reach the op
+            print("SKIPPED", grad, flush=True)
+        z = ag.all_reduce(torch.ones(3, dtype=torch.float64))
+        print("NEXT", rank, z.tolist(), flush=True)
+        if rank == 1:
+            loss.backward()
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc != 0 and "SKIPPED None" in output, output
+    assert "GRAD" not in output and "NEXT" not in output, output  # no value came out
+    assert "all_reduce (SUM, float64, 24 bytes) on group 'WORLD:autograd adjoints'" in output, output
+
+
 def test_a_halo_exchange_whose_peer_never_runs_backward_times_out(tmp_path: Path) -> None:
     """With a timeout set (its wait is the Python pass's), the backward of a halo exchange whose peer has not run its
     own gives a timeout naming the pass and its pending messages; the peer's late backward completes them, and the
