@@ -27,7 +27,7 @@ from .._src.collectives.reductions import ReduceOp
 from .._src.process.groups import ProcessGroup
 from . import _graph
 from ._function import apply, twinned
-from ._side import adjoint, package_group, side
+from ._side import adjoined, adjoint, package_group
 
 __all__ = [
     "all_gather",
@@ -360,7 +360,7 @@ class _Gather(torch.autograd.Function):
 
 
 def _group(group: Any, what: str) -> ProcessGroup:
-    return side(package_group(group, what)).group
+    return adjoined(package_group(group, what))
 
 
 def _root(pg: ProcessGroup, rank: int, what: str, name: str) -> int:

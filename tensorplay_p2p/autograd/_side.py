@@ -1,14 +1,14 @@
 """The side group: where differentiable ops talk, apart from the program's own messages.
 
-Each group's differentiable traffic runs on two duplicates of its communicator, made together at the group's first
-differentiable op (``MPI_Comm_dup`` is collective over the group's members).  Messages there never match the
-program's messages on the group, whatever their tags.  A collective's adjoint (the collective its backward runs) goes
-on the second duplicate (``adjoint``), so that it never meets a forward collective: MPI matches collectives by their
-order alone, and a member whose backward pass skipped an op (``torch.autograd.grad`` with ``inputs`` its input does
-not reach) would otherwise have its next forward collective take its peers' backward one, both silently wrong; its
-peers now wait for it instead, until a timeout.  The adjoint of an adjoint (second order) goes back on the first.
-Point-to-point and halo messages, forward and backward, go on the first duplicate, where a tag says what a message
-is:
+Each group's differentiable traffic runs on a duplicate of its communicator, made at the group's first differentiable
+op (``MPI_Comm_dup`` is collective over the group's members).  Messages there never match the program's messages on
+the group, whatever their tags.  The collectives' adjoints (the collectives their backward passes run, of any order)
+go on a second duplicate (``adjoints``), made at the group's first differentiable collective, so that an adjoint never
+meets a forward collective: MPI matches collectives by their order alone, and a member whose backward pass skipped an
+op (``torch.autograd.grad`` with ``inputs`` its input does not reach) would otherwise have its next forward collective
+take its peers' adjoint, both silently wrong; its peers now wait for it instead, until a timeout.  (Its next adjoint
+collective would still take theirs: MPI cannot tell two adjoints apart.)  Point-to-point and halo messages, forward and
+backward, go on the first duplicate, where a tag says what a message is:
 
 - bit 0, the pass: 0 forward, 1 backward (the adjoint's messages);
 - bit 1, the op: 0 point-to-point (``sendrecv``, ``batch_isend_irecv``), 1 halo exchange;
@@ -42,6 +42,7 @@ __all__ = [
     "HALO_DIRECTIONS",
     "P2P_WINDOW",
     "Side",
+    "adjoined",
     "adjoint",
     "complete",
     "largest_p2p_tag",
@@ -55,13 +56,14 @@ P2P_WINDOW = 64  # messages of one tag between two processes whose adjoints may 
 
 
 class Side:
-    """The duplicates of one group (``group``, and ``adjoints`` for the collectives' adjoints), and the counters that
-    number its messages alike on every member."""
+    """The duplicates of one group (``group``, and ``adjoints`` for the collectives' adjoints once a collective has
+    run), and the counters that number its messages alike on every member."""
 
     __slots__ = ("adjoints", "group", "halo_busy", "halo_calls", "lock", "received", "sent")
 
-    def __init__(self, group: ProcessGroup, adjoints: ProcessGroup) -> None:
-        self.group, self.adjoints = group, adjoints
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.adjoints: ProcessGroup | None = None
         self.halo_calls = 0
         self.halo_busy: set[tuple[int, bool]] = set()  # (slot, backward) of the halo passes in flight, every plan's
         self.sent: Counter[tuple[int, int]] = Counter()  # (group peer, program tag) -> forward sends so far
@@ -100,8 +102,8 @@ def largest_p2p_tag() -> int:
 
 _sides: weakref.WeakKeyDictionary[ProcessGroup, Side] = weakref.WeakKeyDictionary()
 _making = threading.Lock()
-# each duplicate of a side to the other (weakly: the side holds both)
-_twins: weakref.WeakKeyDictionary[ProcessGroup, weakref.ref[ProcessGroup]] = weakref.WeakKeyDictionary()
+# a side's duplicates (both) to its adjoints' duplicate (weakly: the side holds it)
+_adjoints: weakref.WeakKeyDictionary[ProcessGroup, weakref.ref[ProcessGroup]] = weakref.WeakKeyDictionary()
 
 
 def side(pg: ProcessGroup) -> Side:
@@ -112,19 +114,32 @@ def side(pg: ProcessGroup) -> Side:
     with _making:
         found = _sides.get(pg)
         if found is None or found.group.communicator is None:
-            group = groups.duplicate(pg, f"{pg.name}:autograd")
-            adjoints = groups.duplicate(pg, f"{pg.name}:autograd adjoints")
-            found = _sides[pg] = Side(group, adjoints)
-            _twins[group], _twins[adjoints] = weakref.ref(adjoints), weakref.ref(group)
+            found = _sides[pg] = Side(groups.duplicate(pg, f"{pg.name}:autograd"))
     return found
 
 
+def adjoined(pg: ProcessGroup) -> ProcessGroup:
+    """``pg``'s side group for a collective, its adjoints' duplicate made at the first (collective over ``pg``'s
+    members, as the collective is)."""
+    found = side(pg)
+    adjoints = found.adjoints
+    if adjoints is None or adjoints.communicator is None:
+        with _making:
+            adjoints = found.adjoints
+            if adjoints is None or adjoints.communicator is None:
+                adjoints = found.adjoints = groups.duplicate(pg, f"{pg.name}:autograd adjoints")
+                _adjoints[found.group] = _adjoints[adjoints] = weakref.ref(adjoints)
+    return found.group
+
+
 def adjoint(duplicate: ProcessGroup) -> ProcessGroup:
-    """Where the adjoint of a collective on ``duplicate`` (a side's group) runs: the side's other duplicate."""
-    twin = _twins[duplicate]()
+    """Where the adjoint of a collective on ``duplicate`` (a side group, or its adjoints' duplicate) runs: the
+    adjoints' duplicate, whatever the order."""
+    found = _adjoints.get(duplicate)
+    twin = found() if found is not None else None
     if twin is None:  # its side is gone with the group: the group's own error names it
         duplicate.live_comm("a collective's backward")
-        raise LookupError(f"{duplicate.describe()} has no adjoint group")
+        raise LookupError(f"{duplicate.describe()} has no adjoints group")
     return twin
 
 

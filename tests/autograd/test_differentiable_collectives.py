@@ -145,7 +145,28 @@ def test_destroying_a_group_frees_its_side_communicator() -> None:
     assert ag.all_reduce(torch.ones(1, dtype=torch.float64), group=group).detach().item() == SIZE
     from tensorplay_p2p.autograd import _side
 
-    duplicate = _side.side(group).group
-    assert duplicate.communicator is not None
+    found = _side.side(group)
+    duplicate, adjoints = found.group, found.adjoints
+    assert duplicate.communicator is not None and adjoints is not None and adjoints.communicator is not None
+    assert _side.adjoint(duplicate) is adjoints and _side.adjoint(adjoints) is adjoints  # adjoints of every order
     dist.destroy_process_group(group)
-    assert duplicate.communicator is None
+    assert duplicate.communicator is None and adjoints.communicator is None
+
+
+def test_destroying_the_world_frees_its_side_communicators_and_a_new_world_makes_its_own() -> None:
+    from tensorplay_p2p._src.process import groups
+    from tensorplay_p2p.autograd import _side
+
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    ag.all_reduce(x).sum().backward()
+    found = _side.side(dist.group.WORLD)
+    old = [found.group, found.adjoints]
+    dist.destroy_process_group()
+    assert all(d is not None and d.communicator is None for d in old)
+    assert not groups._duplicates  # nothing of the old world stays alive
+    dist.init_process_group()
+    y = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    ag.all_reduce(y).sum().backward()
+    assert y.grad is not None and y.grad.tolist() == [float(SIZE)] * 2
+    found = _side.side(dist.group.WORLD)
+    assert found.group not in old and found.adjoints not in old

@@ -57,36 +57,40 @@ def test_a_rank_that_never_runs_backward_gives_a_timeout_naming_the_message(tmp_
     assert "DONE 0 2.0" in output and "DONE 1 2.0" in output
 
 
-def test_a_collective_whose_backward_a_rank_skipped_never_meets_its_next_collective(tmp_path: Path) -> None:
-    """Rank 1's ``torch.autograd.grad(loss, w)`` skips the all-reduce (its input does not reach ``w``), and its next
-    all-reduce comes while rank 0's backward waits for it.  Collectives match by order alone: on one communicator
-    that all-reduce took rank 0's backward one, and both went on silently wrong (rank 0's gradient and both next
-    all-reduces read 9s, where 16s and 2s are right).  The adjoints run on a communicator of their own: both wait,
-    and the watchdog ends the job naming the backward all-reduce."""
-    code = """
+@pytest.mark.parametrize("order", [1, 2])
+def test_a_collective_whose_backward_a_rank_skipped_never_meets_its_next_collective(tmp_path: Path, order: int) -> None:
+    """Rank 1's ``torch.autograd.grad(..., v)`` skips an all-reduce's adjoint (of first order, or of second: the adjoint
+    of the adjoint), because what reaches it does not reach ``v`` there; its next all-reduce comes while rank 0's
+    adjoint waits for it.  Collectives match by order alone: on one communicator that all-reduce took rank 0's
+    adjoint, and both went on silently wrong (first order: rank 0's gradient and both next all-reduces read 9s, where
+    16s and 2s are right).  The adjoints of every order run on a communicator of their own: both wait, and rank 0's
+    watchdog ends the job naming the adjoint (rank 1's waits longer, so that rank 0's speaks first)."""
+    code = f"""
+        import os
         import torch
         import tensorplay_p2p as dist
         from tensorplay_p2p import autograd as ag
 
-        dist.init_process_group(timeout=2)
-        rank = dist.get_rank()
+        rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        dist.init_process_group(timeout=2 if rank == 0 else 10)
         x = torch.ones(3, dtype=torch.float64)
         w = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
-        loss = (ag.all_reduce(x * w if rank == 0 else x * 2.0) ** 2).sum()
-        if rank == 0:
-            (grad,) = torch.autograd.grad(loss, w)
-            print("GRAD", grad.tolist(), flush=True)
-        else:
-            (grad,) = torch.autograd.grad(loss, w, allow_unused=True)  # runs nothing: w does not reach the op
-            print("SKIPPED", grad, flush=True)
+        v = torch.full((3,), 3.0, dtype=torch.float64, requires_grad=True)
+        if {order} == 1:  # w reaches the all-reduce on rank 0 only
+            loss, wrt = (ag.all_reduce(x * w if rank == 0 else x * 2.0) ** 2).sum(), w
+        else:  # the all-reduce's adjoint, which v reaches on rank 0 only (u, on rank 1)
+            u = torch.full((3,), 3.0, dtype=torch.float64, requires_grad=True)
+            loss = (ag.all_reduce(x * w) * (x * v if rank == 0 else x * u)).sum()
+            (g,) = torch.autograd.grad(loss, w, create_graph=True)  # every rank runs the adjoint
+            loss, wrt = g.sum(), v
+        (grad,) = torch.autograd.grad(loss, wrt, allow_unused=True)  # rank 1 runs nothing: wrt does not reach it
+        print("GRAD", rank, None if grad is None else grad.tolist(), flush=True)
         z = ag.all_reduce(torch.ones(3, dtype=torch.float64))
         print("NEXT", rank, z.tolist(), flush=True)
-        if rank == 1:
-            loss.backward()
     """
     rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
-    assert rc != 0 and "SKIPPED None" in output, output
-    assert "GRAD" not in output and "NEXT" not in output, output  # no value came out
+    assert rc != 0 and "GRAD 1 None" in output, output
+    assert "GRAD 0" not in output and "NEXT" not in output, output  # no value came out of rank 0's adjoint
     assert "all_reduce (SUM, float64, 24 bytes) on group 'WORLD:autograd adjoints'" in output, output
 
 

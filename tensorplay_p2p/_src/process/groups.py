@@ -754,6 +754,10 @@ _duplicates: weakref.WeakKeyDictionary[ProcessGroup, list[ProcessGroup]] = weakr
 
 def destroy_all() -> None:
     global _pg_count
+    for twins in list(_duplicates.values()):  # every group goes, and with it its duplicates
+        for twin in twins:
+            twin._destroy()
+    _duplicates.clear()
     for pg in created:
         pg._destroy()
     created.clear()
