@@ -7,13 +7,16 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
 - ``in place``: the op writes ``x`` in place (a new alias each call, ``x.detach()``, which requires no gradient) and
   takes a 0-d leaf that requires one as a second input, as the package's ops take their anchor;
 
-  - ``torch's op``: ``x.add_(anchor)``, a built-in op of torch's own (its node ``AddBackward0``);
+  - ``torch's op``: ``x.add_(anchor)``, a built-in op of torch's own (its node ``AddBackward0``), and ``torch's op
+    without a node``, ``x.add_(zero)`` with a zero that requires no gradient: the same kernel;
   - ``Python Function``: a ``torch.autograd.Function`` that marks ``x`` dirty, applied as the package applies its
     own (the ``ctx``-first style, through the C ``apply`` of ``autograd._function``);
   - ``C++ Function``: the same as a ``torch::autograd::Function`` in C++, called through pybind11;
   - ``C++ Node``: a ``torch::autograd::Node`` subclass wired by hand, as torch's generated code wires its own ops'
-    nodes (``collect_next_edges``, ``rebase_history``), called through pybind11;
-  - ``no node``: the alias alone, what every series above does besides its node;
+    nodes (``collect_next_edges``, ``rebase_history``), called through pybind11.  It holds no state and skips the
+    checks torch's generated code makes (``check_inplace``): what a node costs at least;
+  - ``no node``: the alias alone, what every series above does besides its node (and torch's op besides its
+    kernel);
 
 - ``new tensor``: the op returns a copy of a leaf that requires a gradient: ``torch's op`` is ``clone``, the others as
   above with ``clone`` below autograd, and ``no node`` a ``clone`` of a tensor that requires no gradient;
@@ -28,7 +31,7 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
 
 The C++ (``_nodes.cpp``) is built when the run starts, with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
-about half a minute here).  Where it cannot be built, its series are left out and the reason said.
+about 20 s here).  Where it cannot be built, its series are left out and the reason said.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from mpi4py import MPI
 from ._report import format_figure, format_rows
 from ._timing import Loop, idle_loop, slowest_medians, time_interleaved, timed
 
-__all__ = ["EXCHANGE", "KINDS", "WAYS", "Nodes", "build", "format_nodes", "measure_nodes", "names"]
+__all__ = ["EXCHANGE", "KINDS", "WAYS", "Nodes", "baseline", "build", "format_nodes", "measure_nodes", "names"]
 
 COMM = MPI.COMM_WORLD
 _SOURCE = Path(__file__).with_name("_nodes.cpp")
 KINDS = ("in place", "new tensor")
-WAYS = ("torch's op", "Python Function", "C++ Function", "C++ Node", "no node")
+WAYS = ("torch's op", "torch's op without a node", "Python Function", "C++ Function", "C++ Node", "no node")
+_BARE = ("torch's op without a node", "no node")  # the baselines, timed with no node
 _CPP = ("C++ Function", "C++ Node")
 EXCHANGE = ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
 ITERATIONS, WARMUP = 20_000, 1_000  # at scale 1
@@ -142,10 +146,12 @@ def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
 
     x = torch.randn(SIDE, SIDE, dtype=torch.float64)
     anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    zero = torch.zeros((), dtype=torch.float64)
     leaf = x.clone().requires_grad_(True)
     in_place, new = _python_function(torch, False), _python_function(torch, True)
     bodies: dict[str, Callable[[], Any]] = {
         "in place: torch's op": lambda: x.detach().add_(anchor),
+        "in place: torch's op without a node": lambda: x.detach().add_(zero),
         "in place: Python Function": lambda: in_place(x.detach(), anchor),
         "in place: no node": lambda: x.detach(),
         "new tensor: torch's op": lambda: leaf.clone(),
@@ -164,7 +170,7 @@ def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
         made = body()
         if name.startswith("exchange"):
             continue
-        if name.endswith("no node") or name == "pybind11 call":
+        if name.endswith(_BARE) or name == "pybind11 call":
             assert made.grad_fn is None, name
             continue
         assert made.grad_fn is not None, name
@@ -184,7 +190,12 @@ def _repeat(body: Any) -> Any:
 
 def names(built: bool, compiled: bool = True) -> list[str]:
     """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass)."""
-    listed = [f"{kind}: {way}" for kind in KINDS for way in WAYS if built or way not in _CPP]
+    listed = [
+        f"{kind}: {way}"
+        for kind in KINDS
+        for way in WAYS
+        if (built or way not in _CPP) and (kind == "in place" or way != "torch's op without a node")
+    ]
     listed += ["pybind11 call"] if built else []
     return listed + [f"exchange: {way}" for way in EXCHANGE if compiled or way != "its compiled pass"]
 
@@ -221,23 +232,29 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
     return Nodes({name: median[name] * 1e6 for name in series}, why, compiled)
 
 
+def baseline(kind: str, way: str) -> str:
+    """The series that does what ``way`` does for ``kind`` but make the node: ``no node``, or for torch's in-place op
+    the same op without one."""
+    return f"{kind}: torch's op without a node" if (kind, way) == ("in place", "torch's op") else f"{kind}: no node"
+
+
 def format_nodes(result: Nodes, markdown: bool = False) -> str:
-    """The tables: each way's time for each kind of op, less the ``no node`` series (the node and the call), and that
-    over the Python Function's; then the package's in-place exchange, its compiled pass and the persistent exchange,
-    each over the persistent exchange's time."""
-    header = ["op", "made by", "us per call", "less no node", "over the Python Function's"]
+    """The tables: each way's time for each kind of op, its node (the series less its ``baseline``: the node and the
+    call), and that over the Python Function's; then the package's in-place exchange, its compiled pass and the
+    persistent exchange, each over the persistent exchange's time."""
+    header = ["op", "made by", "us per call", "the node", "over the Python Function's"]
     rows = []
     for kind in KINDS:
-        bare = result.us[f"{kind}: no node"]
-        python = result.us[f"{kind}: Python Function"] - bare
+        python = result.us[f"{kind}: Python Function"] - result.us[baseline(kind, "Python Function")]
         for way in WAYS:
             name = f"{kind}: {way}"
             if name not in result.us:
                 continue
             t = result.us[name]
-            node = "" if way == "no node" else format_figure(t - bare)
-            over = "" if way == "no node" or python <= 0 else f"{(t - bare) / python:.3g}"
-            rows.append([kind, way, format_figure(t), node, over])
+            node = t - result.us[baseline(kind, way)]
+            bare = way in _BARE
+            over = "" if bare or python <= 0 else f"{node / python:.3g}"
+            rows.append([kind, way, format_figure(t), "" if bare else format_figure(node), over])
     if "pybind11 call" in result.us:
         call = format_figure(result.us["pybind11 call"])
         rows.append(["a C++ function returning its tensor", "pybind11 call", call, "", ""])
