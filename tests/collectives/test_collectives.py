@@ -450,6 +450,20 @@ def test_a_dropped_handle_keeps_its_buffers_until_it_completes(kind: ArrayKind) 
     assert devices.packing_pool.in_use == in_use
 
 
+def test_a_handle_never_built_is_dropped_quietly() -> None:
+    """A handle whose construction never ran (made by ``__new__`` alone, as a tracer or copier may) goes without an
+    error from ``__del__`` (it raised AttributeError, printed as an exception ignored)."""
+    seen: list[Any] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        handle = dist.CollectiveWork.__new__(dist.CollectiveWork)
+        del handle
+    finally:
+        sys.unraisablehook = hook
+    assert not seen, [str(u.exc_value) for u in seen]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_collective_one_rank_never_joins_times_out_naming_it() -> None:
     if dist.checked_mode():  # collectives/test_checks.py has checked mode's

@@ -176,7 +176,7 @@ class CollectiveWork:
             self._settle(error)
 
     def __del__(self) -> None:
-        if self._state == _PENDING:
+        if getattr(self, "_state", _FAILED) == _PENDING:  # a handle made by ``__new__`` alone has no state
             work.dropped.append(self)  # kept alive until MPI is done with its buffers
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
