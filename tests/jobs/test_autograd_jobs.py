@@ -1,5 +1,6 @@
 """Differentiable communication in jobs of their own: a rank that never runs its backward pass (a timeout error that
-names the pending backward message, and the job goes on), neighbours that disagree on dtype (checked mode) or shape,
+names the pending backward message, and the job goes on), a rank whose backward skipped a collective's adjoint (its
+next collective does not take its peer's waiting adjoint), neighbours that disagree on dtype (checked mode) or shape,
 and a training step with a halo exchange under ``torch.compile(fullgraph=True)``.
 
 Outside mpiexec: ``python -m pytest tests/jobs/test_autograd_jobs.py``; skipped without torch.
