@@ -56,14 +56,15 @@ def anchors(like: Any = None) -> tuple[Any, ...]:
       tensor ``like`` has a dtype that carries none (integers, bool): no member computes a tangent for it;
     - under ``torch.func.vmap`` as the innermost transform, a zero batched at every vmap level (``vmapped``)."""
     grad = ((_anchor if _anchor is not None else anchor()),) if _grad_enabled() else ()
-    if forward_ad._current_level < 0 and not _transforms_active():  # eager, forward mode off: every call but these
+    active = _transforms_active()
+    if forward_ad._current_level < 0 and not active:  # eager, forward mode off: every call but these
         return grad
     tangent = (
         forward_ad._current_level >= 0
-        and (_transforms_active() or torch._C._is_fwd_grad_enabled())
+        and (active or torch._C._is_fwd_grad_enabled())
         and (like is None or differentiable(like.dtype))
     )
-    if not _transforms_active():
+    if not active:
         return (*grad, forward_ad.make_dual(torch.zeros(()), torch.zeros(()))) if tangent else grad
     stack = _interpreters()
     batched = stack[-1].key() == _VMAP

@@ -34,7 +34,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ._report import format_figure, format_rows
-from ._timing import Loop, slowest_medians, time_interleaved, timed
+from ._timing import Loop, repeated, slowest_medians, time_interleaved, timed
 
 __all__ = ["SERIES", "SIDES", "Exchange", "format_autograd", "measure_autograd", "measure_memory"]
 
@@ -170,14 +170,6 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     }, plan.close
 
 
-def _repeat(body: Any) -> Any:
-    def loop(n: int) -> None:
-        for _ in range(n):
-            body()
-
-    return loop
-
-
 def measure_autograd(reps: int, scale: float, sides: tuple[int, ...] = SIDES) -> list[Exchange]:
     """Every series at each block side, interleaved, on every rank; the results on rank 0, ``[]`` elsewhere."""
     import torch
@@ -187,7 +179,7 @@ def measure_autograd(reps: int, scale: float, sides: tuple[int, ...] = SIDES) ->
     for side in sides:
         bodies, close = _series(side)
         try:
-            loops = [(name, Loop(timed(_repeat(bodies[name])))) for name in SERIES]
+            loops = [(name, Loop(timed(repeated(bodies[name])))) for name in SERIES]
             iterations, warmup = COUNTS.get(side, COUNTS[SIDES[-1]])
             counts = max(reps, round(iterations * scale)), max(1, round(warmup * scale))
             median = slowest_medians(time_interleaved(loops, *counts, reps), SERIES)

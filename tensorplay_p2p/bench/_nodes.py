@@ -46,7 +46,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ._report import format_figure, format_rows
-from ._timing import Loop, idle_loop, slowest_medians, time_interleaved, timed
+from ._timing import Loop, idle_loop, repeated, slowest_medians, time_interleaved, timed
 
 __all__ = ["EXCHANGE", "KINDS", "WAYS", "Nodes", "baseline", "build", "format_nodes", "measure_nodes", "names"]
 
@@ -180,14 +180,6 @@ def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
     return bodies
 
 
-def _repeat(body: Any) -> Any:
-    def loop(n: int) -> None:
-        for _ in range(n):
-            body()
-
-    return loop
-
-
 def names(built: bool, compiled: bool = True) -> list[str]:
     """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass)."""
     listed = [
@@ -219,7 +211,7 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
     compiled = COMM.bcast(COMM.Get_rank() != 0 or "exchange: its compiled pass" in bodies, root=0)
     series = names(built, compiled)
     if COMM.Get_rank() == 0:
-        loops = [(name, Loop(timed(_repeat(bodies[name])))) for name in series]
+        loops = [(name, Loop(timed(repeated(bodies[name])))) for name in series]
     else:
         loops = [(name, idle_loop()) for name in series]
     counts = max(reps, round(ITERATIONS * scale)), max(1, round(WARMUP * scale))

@@ -29,7 +29,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ._report import format_figure, format_rows
-from ._timing import Loop, slowest_medians, time_interleaved, timed
+from ._timing import Loop, repeated, slowest_medians, time_interleaved, timed
 
 __all__ = ["KINDS", "SERIES", "Steps", "format_steps", "measure_steps", "twin_step"]
 
@@ -249,21 +249,13 @@ def measure_steps(groups: dict[str, Any], reps: int, scale: float) -> list[Steps
     results = []
     for kind in KINDS:
         made = _steps(kind, groups)
-        loops = [(name, Loop(timed(_repeat(made[name][0])))) for name in SERIES]
+        loops = [(name, Loop(timed(repeated(made[name][0])))) for name in SERIES]
         counts = max(reps, round(COUNTS[0] * scale)), max(1, round(COUNTS[1] * scale))
         median = slowest_medians(time_interleaved(loops, *counts, reps), SERIES)
         if median is None:
             continue
         results.append(Steps(kind, COMM.Get_size(), *(median[name] * 1e6 for name in SERIES)))
     return results
-
-
-def _repeat(step: Step) -> Callable[[int], None]:
-    def body(n: int) -> None:
-        for _ in range(n):
-            step()
-
-    return body
 
 
 def format_steps(results: Sequence[Steps], markdown: bool = False) -> str:

@@ -148,6 +148,16 @@ def timed(body: Callable[[int], None]) -> Callable[[int], float]:
     return iterate
 
 
+def repeated(body: Callable[[], object]) -> Callable[[int], None]:
+    """A loop body (for ``timed``) that calls ``body`` n times."""
+
+    def loop(n: int) -> None:
+        for _ in range(n):
+            body()
+
+    return loop
+
+
 def idle_loop() -> Loop:
     """The loop of a rank that takes no part in the pattern."""
     return Loop(lambda n: 0.0)

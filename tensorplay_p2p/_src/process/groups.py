@@ -754,10 +754,7 @@ _duplicates: weakref.WeakKeyDictionary[ProcessGroup, list[ProcessGroup]] = weakr
 
 def destroy_all() -> None:
     global _pg_count
-    for twins in list(_duplicates.values()):  # every group goes, and with it its duplicates
-        for twin in twins:
-            twin._destroy()
-    _duplicates.clear()
+    _duplicates.clear()  # every group goes, its duplicates too (``duplicate`` registers them in ``created``)
     for pg in created:
         pg._destroy()
     created.clear()
