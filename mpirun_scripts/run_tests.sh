@@ -84,6 +84,12 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
 }
 
 echo "=== engine: $("$python" -c 'import tensorplay_p2p.config as c; print(c.engine_reason)')${label:+ ($label)} ==="
+# The native autograd nodes (tensorplay_p2p/autograd/_native.cpp), built against this torch once, into the cache
+# folder (docs/autograd.md): every run below but the pure-Python ones records halo_exchange_ with them.  A build
+# that fails leaves the Python nodes; where the engine is expected compiled, test_native_nodes.py then fails.
+if "$python" -c "import torch" 2>/dev/null; then
+    echo "=== autograd nodes: $(timeout -k 15 "$limit" "$python" -m tensorplay_p2p build-nodes 2>&1 | tail -n 1)${label:+ ($label)} ==="
+fi
 for n in $sizes; do  # the memory test's 100 000 exchanges at 1 and 2 ranks; from 3 up, 1/TP2P_STRESS_SHARE of them
     TP2P_STRESS_SHARE=$([ "$n" -ge 3 ] && echo "$stress_share" || echo 1) mpi_pytest "$label" "$n" -- "$@"
 done

@@ -1,4 +1,4 @@
-"""The ``tensorplay-p2p`` command: ``info``, ``selftest``, ``bench`` and ``run``."""
+"""The ``tensorplay-p2p`` command: ``info``, ``selftest``, ``bench``, ``run`` and ``build-nodes``."""
 
 from __future__ import annotations
 
@@ -292,6 +292,28 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_nodes(args: argparse.Namespace) -> int:
+    what = "tensorplay-p2p build-nodes"
+    if importlib.util.find_spec("torch") is None:
+        print(f"{what}: torch is not installed; the native autograd nodes are built against it", file=sys.stderr)
+        return 1
+    from ..autograd import _native
+
+    if args.check:
+        print(f"autograd nodes: {_native.reason}")
+        return 0 if _native.nodes is not None else 1
+    already = _native.library().is_file()
+    start = time.perf_counter()
+    try:
+        path = _native.build(verbose=args.verbose)
+    except RuntimeError as exc:
+        print(f"{what}: {exc}; the Python nodes run instead", file=sys.stderr)
+        return 1
+    done = "already built" if already else f"built in {time.perf_counter() - start:.0f} s"
+    print(f"native autograd nodes {done}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tensorplay-p2p``."""
     parser = argparse.ArgumentParser(
@@ -310,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a script; an exception on any rank aborts the whole job")
     run.add_argument("args", nargs=argparse.REMAINDER, help="script.py [args...] | -m module | -c code")
     run.set_defaults(handler=_run)
+    nodes = commands.add_parser(
+        "build-nodes", help="build the native (C++) autograd nodes against the installed torch, once per torch"
+    )
+    nodes.add_argument("--check", action="store_true", help="say whether they are built and used; build nothing")
+    nodes.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    nodes.set_defaults(handler=_build_nodes)
     return parser
 
 

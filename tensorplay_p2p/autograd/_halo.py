@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
+from torch.autograd import forward_ad
 
 from .._src import engine, errors
 from .._src.p2p.ops import P2POp, irecv, isend
@@ -33,7 +34,7 @@ from .._src.persistent.cart import CartGroup
 from .._src.persistent.plan import P2PPlan
 from .._src.process.groups import to_int
 from .._src.settings import state
-from . import _graph
+from . import _graph, _native
 from ._function import apply, batch_moved, twinned
 from ._side import HALO_DIRECTIONS, Side, complete, side
 
@@ -87,6 +88,7 @@ def _directions(widths: Widths, corners: bool) -> list[tuple[int, ...]]:
 
 
 SLOTS = 4  # message sets per plan: exchanges of one shape that may be in flight at once, and the tags' cycle
+_KEYS = tuple(tuple((slot, backward) for slot in range(SLOTS)) for backward in (False, True))  # (slot, backward)
 
 
 class _Pass:
@@ -242,14 +244,18 @@ class Plan:
     def _pass(self, call: int, backward: bool) -> _Pass:
         """The pass of ``call``'s slot, claimed: a slot's tags are the group's, so it is claimed on the group (a
         member whose plans differ from its peer's claims and refuses alike)."""
-        key = (call % SLOTS, backward)
-        with self.side.lock:
-            if key in self.side.halo_busy:
+        key = _KEYS[backward][call % SLOTS]
+        side = self.side
+        with side.lock:
+            if key in side.halo_busy:
                 raise RuntimeError(
                     f"halo_exchange: {SLOTS} halo exchanges on {self.group.describe()} are in flight already "
                     f"(started, not yet waited for); wait for one first"
                 )
-            self.side.halo_busy.add(key)
+            side.halo_busy.add(key)
+        part = self._passes.get(key)  # made once: found without the plan's lock
+        if part is not None:
+            return part
         try:
             with self._lock:
                 part = self._passes.get(key)
@@ -265,8 +271,9 @@ class Plan:
         """Give ``call``'s slot back, unless its step is still in flight (a wait that timed out)."""
         if part is not None and part.exchange is not None and part.exchange.active:
             return
-        with self.side.lock:
-            self.side.halo_busy.discard((call % SLOTS, backward))
+        side = self.side
+        with side.lock:
+            side.halo_busy.discard(_KEYS[backward][call % SLOTS])
 
     def start(self, x: Any, call: int, backward: bool) -> Pending:
         """Post H's messages (``backward``: H*'s) for call ``call``: the cells of ``x`` (contiguous, of the plan's
@@ -297,7 +304,7 @@ class Plan:
                         if part.exchange is not None:
                             part.exchange.lean_posted(True)
                         return Pending(part, call, backward, True)
-                    self._release(call, backward, part)
+                    self._release(call, backward, None)  # complete: nothing of it is in flight
                     return None
                 if result is not NotImplemented:  # the step is over
                     raise self._failure(part, call, backward, result)
@@ -350,6 +357,39 @@ class Plan:
             f"{self.group.describe()} (shape {self.shape}, {self.dtype}, halo {self.widths}; neighbours: global ranks "
             f"{', '.join(map(str, peers))})"
         )
+
+    def fill(self, x: Any) -> int:
+        """H in place on ``x`` for ``halo_exchange_``'s native node, outside any ``Function``, as the next call of the
+        group (``number``), whose number it returns: the compiled body in one call where it takes the pass (the slot
+        claimed around it, as ``_pass`` claims it), else ``run``, whose Python pass's torch ops then record no
+        autograd history.  ``x``: contiguous, of the plan's shape, no conjugate or negative view, no torch.func
+        transform active (``_recordable``)."""
+        side = self.side
+        with side.lock:  # the number and the slot in one go
+            call = side.halo_calls
+            side.halo_calls = call + 1
+            key = _KEYS[False][call % SLOTS]
+            part = self._passes.get(key)
+            kernel = part.kernel if part is not None and key not in side.halo_busy else None
+            if kernel is not None:
+                side.halo_busy.add(key)
+        if kernel is not None:
+            if state.timeout is None and self.group.communicator is not None:
+                try:
+                    result = kernel.run(x.data_ptr())
+                finally:
+                    with side.lock:
+                        side.halo_busy.discard(key)  # run whole: nothing of it is in flight
+                if result is None:
+                    return call
+                if result is not NotImplemented:  # the step is over
+                    assert part is not None  # it has the kernel
+                    raise self._failure(part, call, False, result)
+            else:
+                self._release(call, False, None)
+        with torch.no_grad():
+            self.run(x, call, False)
+        return call
 
     def run(self, x: Any, call: int, backward: bool) -> None:
         """H (``backward``: H*), in place on ``x`` (contiguous, of the plan's shape): with H*, the ghosts' values
@@ -607,6 +647,8 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
 
     For memory-bound codes. Autograd sees an in-place op: ``x`` must not be a leaf that requires a gradient, and
     a tensor saved for backward before it raises autograd's error at backward instead of giving a wrong gradient.
+    Where the native node is built (``tensorplay-p2p build-nodes``), autograd records it instead of a Python
+    ``Function``: the same values and gradients, at a third of the node's cost (docs/autograd.md).
 
     Args:
         x: the tensor, ghost layers included; written in place.
@@ -622,8 +664,35 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
             ``torch.func.vmap``, ``x`` is not batched on this process while its peers' blocks are.
     """
     plan = plan_for(x, group, halo, corners, "halo_exchange_")
-    call = number(plan)
-    return apply(_FillInPlace, x, plan, call, *_anchored(x))
+    native = _native.nodes
+    if native is not None and _recordable(native, x):
+        call = plan.fill(x)
+        return native.fill_in_place(x, _anchor(), plan, call)
+    return apply(_FillInPlace, x, plan, number(plan), *_anchored(x))
+
+
+def _recordable(native: Any, x: Any) -> bool:
+    """Whether the native node records ``x``'s in-place exchange (``_native``): eager (no forward-mode level open, not
+    traced by torch.compile) and what ``native.recordable`` checks: in grad mode, where the Python node would be a
+    plain ``Function``'s (no torch.func transform, profiler or anomaly mode to serve, no tensor subclass's torch
+    function), on a contiguous tensor that is no conjugate or negative view (whose history torch cannot rebase onto a
+    node of its own: the Python node marks it dirty instead)."""
+    return forward_ad._current_level < 0 and not _compiling() and bool(native.recordable(x))
+
+
+_compiling = torch.compiler.is_compiling
+_anchor = _graph.anchor
+
+
+def adjoint(grad: Any, plan: Plan, call: int) -> Any:
+    """The backward of the native node of ``halo_exchange_`` (``_native.cpp``): H* ``grad``, as ``_FillInPlace``'s
+    backward (zeros where no gradient came: the adjoint's messages go all the same)."""
+    if grad is None:
+        grad = torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device)
+    return apply(_AddBack, grad, plan, call)
+
+
+_native.load(adjoint)
 
 
 def _substitute(plan: Plan, call: int) -> Any:

@@ -1,4 +1,4 @@
-"""The tensorplay-p2p command, run as a user would: info, selftest, bench, run, and bad arguments."""
+"""The tensorplay-p2p command, run as a user would: info, selftest, bench, run, build-nodes, and bad arguments."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from launch import MPIEXEC, launch_flags
@@ -76,3 +77,29 @@ def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     done = run([*CLI, *argv])
     assert done.returncode == 2
     assert "usage: tensorplay-p2p" in done.stderr
+
+
+def test_build_nodes_builds_once_and_says_what_runs(tmp_path: Path) -> None:
+    """``build-nodes`` builds the native autograd nodes once per torch (the suite's run built them already: it says
+    so, quickly), and ``--check`` says what runs: native, not built (another cache folder), or pure Python."""
+    pytest.importorskip("torch")
+    built = run([*CLI, "build-nodes"])
+    if built.returncode != 0:
+        assert os.environ.get("TP2P_EXPECT_ENGINE") != "compiled", built.stderr
+        assert "the Python nodes run instead" in built.stderr
+        return
+    assert built.stdout.startswith("native autograd nodes ") and built.stdout.strip().endswith(".so"), built.stdout
+    again = run([*CLI, "build-nodes"])
+    assert again.returncode == 0 and again.stdout.startswith("native autograd nodes already built: "), again.stdout
+    check = run([*CLI, "build-nodes", "--check"])
+    assert check.returncode == 0 and check.stdout.startswith("autograd nodes: native (C++, built at "), check.stdout
+    environ = dict(os.environ, TENSORPLAY_P2P_CACHE=str(tmp_path))
+    elsewhere = subprocess.run(
+        [*CLI, "build-nodes", "--check"], capture_output=True, text=True, timeout=LIMIT, env=environ
+    )
+    assert elsewhere.returncode == 1 and "not built for this torch" in elsewhere.stdout, elsewhere.stdout
+    environ = dict(os.environ, TENSORPLAY_P2P_ACCEL="0")
+    python = subprocess.run(
+        [*CLI, "build-nodes", "--check"], capture_output=True, text=True, timeout=LIMIT, env=environ
+    )
+    assert python.returncode == 1 and "TENSORPLAY_P2P_ACCEL=0" in python.stdout, python.stdout

@@ -1,0 +1,146 @@
+"""The native autograd nodes: ``_native.cpp``, built against the installed torch, loaded where built.
+
+A ``torch.autograd.Function`` costs about 3 us a call in Python; a node wired in C++ as torch wires its own ops'
+costs about 1 us (``python -m tensorplay_p2p.bench.frameworks --nodes``).  The package's in-place halo exchange
+records such a node where this module loaded one (``nodes``), and its Python ``Function`` elsewhere; both run the
+same passes and the same adjoint, so results and gradients are the same bit for bit.
+
+The install cannot build it: pip builds the package without torch (which is optional), and a C++ extension is tied
+to the torch it was built against.  ``tensorplay-p2p build-nodes`` (``build``) builds it with torch's
+``cpp_extension`` (a C++ compiler and ninja) into the cache folder, under a name that holds a digest of its source,
+of torch's version and C++ ABI, and of the interpreter: a later torch, Python or source finds no build of its own
+and runs the Python nodes until it is built again.  Loading never builds and never raises: ``reason`` says in one
+line why the nodes are or are not native.  ``TENSORPLAY_P2P_ACCEL=0`` (pure Python) leaves them out too.
+
+The cache folder: ``$TENSORPLAY_P2P_CACHE``, else ``$XDG_CACHE_HOME/tensorplay_p2p``, else
+``~/.cache/tensorplay_p2p``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .._src import engine
+from .._src.settings import env_flag
+
+__all__ = ["CACHE_ENV", "CONTRACT", "build", "library", "load", "nodes", "reason"]
+
+CACHE_ENV = "TENSORPLAY_P2P_CACHE"
+CONTRACT = 1  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
+SOURCE = Path(__file__).with_name("_native.cpp")
+FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
+
+nodes: Any = None  # the loaded module (``fill_in_place``), or None: the Python nodes run
+reason = "not loaded yet"
+
+
+def cache() -> Path:
+    """The folder the build goes to."""
+    given = os.environ.get(CACHE_ENV, "").strip()
+    if given:
+        return Path(given).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base).expanduser() if base else Path.home() / ".cache") / "tensorplay_p2p"
+
+
+def _name() -> str:
+    """The module's name: its source's digest, with torch's version and C++ ABI, the interpreter and the flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
+    digest.update(repr((torch.__version__, abi, sys.implementation.cache_tag, sys.platform, FLAGS)).encode())
+    return f"tensorplay_p2p_native_{digest.hexdigest()[:16]}"
+
+
+def library() -> Path:
+    """Where the build for this torch, interpreter and source is (whether or not it is there)."""
+    return cache() / f"{_name()}.so"
+
+
+def load(adjoint: Callable[[Any, Any, int], Any]) -> Any:
+    """Load the build for this torch, if there is one and the engine may be compiled, and give it ``adjoint`` (the
+    Python function its nodes' backward calls); sets ``nodes`` and ``reason``, and returns ``nodes``."""
+    global nodes, reason
+    nodes, reason = _load(adjoint)
+    return nodes
+
+
+def _load(adjoint: Callable[[Any, Any, int], Any]) -> tuple[Any, str]:
+    try:
+        if not env_flag(engine.ENV, True):
+            return None, f"Python: {engine.ENV}=0 (pure Python)"
+    except ValueError:
+        return None, f"Python: {engine.ENV} is not 0 or 1"
+    try:
+        path = library()
+    except OSError as exc:
+        return None, f"Python: its source cannot be read ({exc})"
+    if not path.is_file():
+        return None, "Python: not built for this torch (tensorplay-p2p build-nodes builds it)"
+    try:
+        module = _import(path)
+        if getattr(module, "CONTRACT", None) != CONTRACT:
+            return None, f"Python: the build at {path} is not of this version of the package (build it again)"
+        module.set_adjoint(adjoint)
+    except (ImportError, OSError) as exc:
+        return None, f"Python: the build at {path} does not load ({exc})"
+    return module, f"native (C++, built at {path})"
+
+
+def _import(path: Path) -> ModuleType:
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:  # built in this process (``build``), or loaded before
+        return loaded
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no loader for {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def build(verbose: bool = False) -> Path:
+    """Build ``_native.cpp`` against this torch into the cache (unless built already) and return where it is.
+
+    Raises:
+        RuntimeError: it cannot be built here (no C++ compiler or ninja, a failed compile), saying why.
+    """
+    target = library()
+    if target.is_file():
+        return target
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+    except (ImportError, RuntimeError) as exc:
+        raise RuntimeError(f"torch.utils.cpp_extension cannot build here: {exc}") from None
+    folder = tempfile.mkdtemp(prefix="tensorplay_p2p_native_")
+    try:
+        try:
+            cpp_extension.load(
+                target.stem, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=folder, verbose=verbose
+            )
+        except (OSError, RuntimeError, ImportError) as exc:  # no compiler; a failed compile
+            lines = str(exc).strip().splitlines()
+            raise RuntimeError(f"building {SOURCE.name} failed: {lines[-1] if lines else type(exc).__name__}") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copyfile(Path(folder) / target.name, partial)
+        os.replace(partial, target)  # whole or not at all: another process building too writes the same bytes
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return target

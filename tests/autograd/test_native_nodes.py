@@ -1,0 +1,263 @@
+"""The native (C++) autograd node of ``halo_exchange_``: where it is built and loaded it records the exchange, with
+the same values, gradients (every order), version counter and errors as the Python node, bit for bit; the Python
+node serves what it leaves to it; and loading it never raises (``autograd._native``).
+
+Where the nodes are not built, the tests that need them are skipped, except where the engine is expected compiled
+(``TP2P_EXPECT_ENGINE=compiled``, as in CI, whose run builds them first): there they must be loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from world import RANK, SIZE
+
+import tensorplay_p2p as dist
+from tensorplay_p2p._src import engine, settings
+
+torch = pytest.importorskip("torch")
+from tensorplay_p2p import autograd as ag  # noqa: E402
+from tensorplay_p2p.autograd import _halo, _native  # noqa: E402
+
+pytestmark = [
+    pytest.mark.mpi(min_size=1),
+    # torch's forward-mode AD imports what torch.jit.script builds, which warns of its own deprecation
+    pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script` is deprecated:DeprecationWarning"),
+]
+
+NATIVE = "HaloExchangeInPlaceBackward"
+PYTHON = "_FillInPlaceEagerBackward"
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+# (grid dims, periods, halo, corners)
+GRIDS = [
+    ((0,), False, ((2, 1),), False),
+    ((0, 0), (True, False), ((1, 2), (2, 1)), True),
+    ((0, 0, 0), True, 1, True),
+]
+
+
+def _built() -> None:
+    """Skip where the nodes are not loaded, unless they must be (the reason then fails the test)."""
+    if _native.nodes is not None:
+        return
+    if os.environ.get("TP2P_EXPECT_ENGINE") == "compiled" and settings.env_flag(engine.ENV, True):
+        pytest.fail(f"the native autograd nodes are expected (TP2P_EXPECT_ENGINE=compiled): {_native.reason}")
+    pytest.skip(f"the native autograd nodes are not loaded: {_native.reason}")
+
+
+@contextlib.contextmanager
+def _python_nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The Python node records every exchange inside."""
+    with monkeypatch.context() as patch:
+        patch.setattr(_native, "nodes", None)
+        yield
+
+
+def _field(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 31 + RANK)
+    x = torch.randn(shape, dtype=torch.float64, generator=generator)
+    if dtype.is_complex:
+        x = torch.complex(x, torch.randn(shape, dtype=torch.float64, generator=generator))
+    return x.to(dtype)
+
+
+def _shape(cart: dist.CartGroup, halo: object) -> tuple[int, ...]:
+    widths = _halo.widths_of(halo, len(cart.dims), "test")
+    return (*(3 + lo + hi + (c % 2) for (lo, hi), c in zip(widths, cart.coords, strict=True)), 2)
+
+
+def test_the_nodes_are_loaded_where_expected_and_say_why_not_elsewhere() -> None:
+    """Loaded: the reason names the build; else it says why (pure Python, not built, ...)."""
+    if not settings.env_flag(engine.ENV, True):
+        assert _native.nodes is None and engine.ENV in _native.reason
+        return
+    _built()
+    assert _native.reason.startswith("native") and str(_native.library()) in _native.reason
+    assert _native.nodes.CONTRACT == _native.CONTRACT
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_native_and_the_python_node_agree(
+    grid: tuple[object, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward, the gradients of two backward passes over one graph (``retain_graph``; rank 0's block requires no
+    gradient of its own: mixed ``requires_grad``) and the second order (``create_graph``: the adjoint of the
+    adjoint) are the Python node's, bit for bit."""
+    _built()
+    dims, periods, halo, corners = grid
+    cart = dist.new_cart_group(dims, periods)
+    shape = _shape(cart, halo)
+    x, v, u = (_field(shape, dtype, seed) for seed in range(3))
+
+    def run() -> tuple[str, list[torch.Tensor]]:
+        leaf = x.clone().requires_grad_(RANK != 0)
+        w = leaf * 2  # on rank 0, a tensor that requires no gradient: the anchor makes its node all the same
+        y = ag.halo_exchange_(w, cart, halo, corners)
+        name, out = y.grad_fn.name(), [y.detach().clone()]
+        for _ in range(2):  # two backward passes over one graph
+            torch.autograd.backward(y, v, retain_graph=True)
+            out.append(leaf.grad.clone() if leaf.grad is not None else torch.zeros(()))
+        leaf = x.clone().requires_grad_(True)
+        y = ag.halo_exchange_(leaf * 1, cart, halo, corners)
+        cotangent = v.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(y, leaf, cotangent, create_graph=True)
+        (gg,) = torch.autograd.grad(g, cotangent, u)  # the adjoint's adjoint: the exchange again
+        return name, [*out, g.detach(), gg]
+
+    native_name, native = run()
+    with _python_nodes(monkeypatch):
+        python_name, python = run()
+    assert (native_name, python_name) == (NATIVE, PYTHON)
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
+    _built()
+    cart = dist.new_cart_group((0,), True)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = x * 1.0
+    saved = y * y  # saves y
+    version = y._version
+    assert ag.halo_exchange_(y, cart, 1) is y
+    assert y._version > version and y.grad_fn.name() == NATIVE
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
+def test_a_leaf_that_requires_a_gradient_is_refused_as_torch_refuses_it() -> None:
+    """torch's own error, after the exchange ran on every member (as the Python node raises it)."""
+    _built()
+    cart = dist.new_cart_group((0,), True)
+    leaf = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        ag.halo_exchange_(leaf, cart, 1)
+    base = torch.zeros(2, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="view of a leaf Variable that requires grad"):
+        ag.halo_exchange_(base[1], cart, 1)
+    x = torch.arange(5, dtype=torch.float64) + 10 * RANK
+    y = ag.halo_exchange_(x.clone(), cart, 1)  # the next exchange meets its own messages
+    assert y[0] == 10 * ((RANK - 1) % SIZE) + 3 and y[4] == 10 * ((RANK + 1) % SIZE) + 1
+
+
+def test_a_view_s_exchange_rebases_its_base_s_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contiguous view written in place: its base's gradient goes through torch's ``CopySlices``, as the Python
+    node's does, and equals it."""
+    _built()
+    cart = dist.new_cart_group((0, 0), True)
+    x = _field((3, 6, 5), torch.float64, 4)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_(True)
+        base = leaf * 1
+        ag.halo_exchange_(base[1], cart, 1, True)
+        assert type(base.grad_fn).__name__ == "CopySlices"
+        (base * base).sum().backward()
+        assert leaf.grad is not None
+        return base.detach(), leaf.grad
+
+    native = run()
+    with _python_nodes(monkeypatch):
+        python = run()
+    assert torch.equal(native[0], python[0]) and torch.equal(native[1], python[1])
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+def test_the_python_node_serves_what_the_native_node_leaves_to_it() -> None:
+    """A conjugate view, a non-contiguous block, a profiler, anomaly mode, a forward-mode level and a torch.func
+    transform each get the Python node (its node name, or its rule), with the values the native node gives."""
+    _built()
+    cart = dist.new_cart_group((0, 0), True)
+    x = _field((6, 5), torch.complex128, 5)
+    want = ag.halo_exchange(x, cart, 1, True).detach()
+
+    def name(y: torch.Tensor) -> str:
+        return str(y.grad_fn.name())
+
+    w = x.clone().requires_grad_(True) * 1
+    assert name(ag.halo_exchange_(w, cart, 1, True)) == NATIVE and torch.equal(w.detach(), want)
+    w = (x.conj().clone().requires_grad_(True) * 1).conj()
+    assert w.is_conj()
+    ag.halo_exchange_(w, cart, 1, True)
+    assert torch.equal(w.detach().resolve_conj(), want)
+    w = x.t().contiguous().requires_grad_(True).t() * 1  # a non-contiguous block (not a view)
+    assert not w.is_contiguous() and name(ag.halo_exchange_(w, cart, 1, True)) == PYTHON
+    assert torch.equal(w.detach(), want)
+    with torch.profiler.profile():
+        w = x.clone().requires_grad_(True) * 1
+        assert name(ag.halo_exchange_(w, cart, 1, True)) == PYTHON
+    with torch.autograd.detect_anomaly(check_nan=False):
+        w = x.clone().requires_grad_(True) * 1
+        assert name(ag.halo_exchange_(w, cart, 1, True)) == PYTHON
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        w = fwad.make_dual(x.clone(), x.clone())
+        ag.halo_exchange_(w, cart, 1, True)
+        assert torch.equal(fwad.unpack_dual(w).tangent, want)
+    out = torch.func.grad(lambda t: ag.halo_exchange_(t * 1, cart, 1, True).abs().sum())(x.clone())
+    assert out.shape == x.shape
+
+
+def test_an_error_in_the_backward_reaches_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python adjoint's exception comes out of ``backward`` with its type and message."""
+    _built()
+    cart = dist.new_cart_group((0,), True)
+
+    def refuse(grad: object, plan: object, call: int) -> None:
+        raise ValueError(f"adjoint of call {call} refused")
+
+    y = ag.halo_exchange_(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1)
+    _native.nodes.set_adjoint(refuse)
+    try:
+        with pytest.raises(ValueError, match=r"adjoint of call [0-9]+ refused"):
+            y.sum().backward()
+    finally:
+        _native.nodes.set_adjoint(_halo.adjoint)
+    ag.halo_exchange_(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1).sum().backward()
+
+
+def test_a_freed_node_gives_its_plan_back() -> None:
+    """The node holds its plan while it lives, and no longer: references stay flat over many graphs."""
+    _built()
+    cart = dist.new_cart_group((0, 0), True)
+    x = torch.zeros(6, 5, dtype=torch.float64)
+    plan = _halo.plan_for(x, cart, 1, True, "test")
+    y = ag.halo_exchange_(x.detach(), cart, 1, True)
+    held = sys.getrefcount(plan)
+    del y
+    gc.collect()
+    assert sys.getrefcount(plan) == held - 1
+    for _ in range(200):
+        ag.halo_exchange_(x.detach(), cart, 1, True).sum().backward()
+    gc.collect()
+    assert sys.getrefcount(plan) == held - 1
+
+
+def test_loading_never_raises_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No build in the cache folder, a file that is no library, pure Python: the Python nodes, and why.  The build's
+    name holds torch's version: a build for another torch is never loaded."""
+    name = _native._name()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", torch.__version__ + ".other")
+        assert _native._name() != name
+    saved = _native.nodes, _native.reason
+    try:
+        monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path))
+        monkeypatch.setenv(engine.ENV, "1")
+        monkeypatch.setattr(_native, "_name", lambda: "tensorplay_p2p_native_test")  # none loaded by that name
+        assert _native.library() == tmp_path / "tensorplay_p2p_native_test.so"
+        assert _native.load(_halo.adjoint) is None and "not built" in _native.reason
+        _native.library().write_bytes(b"not a library")
+        assert _native.load(_halo.adjoint) is None and "does not load" in _native.reason
+        monkeypatch.setenv(engine.ENV, "0")
+        assert _native.load(_halo.adjoint) is None and f"{engine.ENV}=0" in _native.reason
+    finally:
+        _native.nodes, _native.reason = saved
