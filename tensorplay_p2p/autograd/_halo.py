@@ -155,6 +155,7 @@ def _kernel(plan: Plan, part: _Pass, whole: Any, backward: bool) -> Any:
         components=components,
         keep=(whole, plan.slab_index, plan.ghost_index, part.exchange),
         report=report,
+        selfs=plan.self_count,
     )
 
 

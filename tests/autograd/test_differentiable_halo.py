@@ -420,14 +420,21 @@ def test_more_exchanges_in_flight_than_slots_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    ("periods", "halo"), [((True, False), 1), (True, ((1, 2), (2, 1)))], ids=["one-periodic", "periodic-wide"]
+)
+@pytest.mark.parametrize(
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 )
-def test_the_compiled_and_the_python_pass_agree(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_compiled_and_the_python_pass_agree(
+    dtype: torch.dtype, periods: object, halo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Forward and backward of every form on the compiled engine's pass (where it takes it: host memory, unchecked,
     no timeout, no conjugate view; backward: the dtypes it adds) equal the Python pass's, value for value: the one a
-    timeout selects (before the engine is called) and the one the engine hands back under a torch profiler."""
-    cart = _cart((0, 0), (True, False))
-    block = Block(cart, 1, True)
+    timeout selects (before the engine is called) and the one the engine hands back under a torch profiler.  On a
+    periodic dimension of one process a whole pass copies (backward: adds) the cells it sends itself directly, and
+    the split form's through its buffer: both as the Python pass does, in its order."""
+    cart = _cart((0, 0), periods)
+    block = Block(cart, halo, True)
     generator = torch.Generator().manual_seed(RANK)
     x, v = (torch.randn(block.shape, dtype=torch.float64, generator=generator) for _ in range(2))
     if dtype.is_complex:
@@ -446,15 +453,15 @@ def test_the_compiled_and_the_python_pass_agree(dtype: torch.dtype, monkeypatch:
         for form in forms:
             leaf = x.clone().requires_grad_(True)
             if form == "out of place":
-                y = ag.halo_exchange(leaf, cart, 1, True)
+                y = ag.halo_exchange(leaf, cart, halo, True)
             elif form == "in place":
-                y = ag.halo_exchange_(leaf * 1, cart, 1, True)
+                y = ag.halo_exchange_(leaf * 1, cart, halo, True)
             elif form == "in place, conjugate view":
-                y = ag.halo_exchange_((leaf * 1).conj(), cart, 1, True)
+                y = ag.halo_exchange_((leaf * 1).conj(), cart, halo, True)
             elif form == "split":
-                y = ag.halo_exchange_start(leaf, cart, 1, True).wait()
+                y = ag.halo_exchange_start(leaf, cart, halo, True).wait()
             else:
-                y = ag.halo_exchange_start(leaf.conj(), cart, 1, True).wait()
+                y = ag.halo_exchange_start(leaf.conj(), cart, halo, True).wait()
             y.backward(v)
             assert leaf.grad is not None
             results += [y.detach().resolve_conj(), leaf.grad]

@@ -3030,6 +3030,19 @@ typedef struct {
     Py_ssize_t count;
 } Runs;
 
+/* The cells a whole pass copies within the tensor (its own neighbour's, where a grid dimension has one process): pairs
+ * (slab cell, ghost cell) in the index maps' order, as groups of ``count`` runs of ``length`` cells whose starts step
+ * by
+ * ``steps`` (a face's column is one group of runs of one cell). */
+typedef struct {
+    Py_ssize_t slab, ghost, length, count, slab_step, ghost_step;
+} CopyGroup;
+
+typedef struct {
+    CopyGroup *groups;
+    Py_ssize_t count;
+} Copies;
+
 typedef struct {
     PyObject_HEAD
     PyObject *requests; /* owned: a tuple of mpi4py Prequest objects, the pass's messages */
@@ -3042,7 +3055,13 @@ typedef struct {
     Runs gather, scatter;  /* the cells gathered (in the buffer's order), and those scattered into */
     char *gathered;        /* the buffer the gather fills */
     const char *scattered; /* the buffer the scatter reads */
-    int itemsize, adjoint, add;
+    /* A whole pass (``run``) gathers and scatters only the cells that travel, and copies (or, backward, adds) the
+     * cells it sends to itself directly, once, where ``start`` and ``finish`` take them through the buffer (whose
+     * finish may write another tensor than its start read). */
+    Runs gather_sent, scatter_received;
+    Py_ssize_t gathered_at, scattered_at; /* bytes into the buffers where the whole pass's gather and scatter begin */
+    Copies copies;
+    int itemsize, adjoint, add, components;
 } HaloPassObject;
 
 /* Copy ``n`` elements of ``size`` bytes: fixed-size copies for the common sizes, which the compiler inlines. */
@@ -3060,12 +3079,11 @@ copy_items(char *to, const char *from, Py_ssize_t n, Py_ssize_t size)
 }
 
 static void
-halo_gather(HaloPassObject *self, char *flat)
+halo_gather(HaloPassObject *self, char *flat, const Runs *gather, char *to)
 {
     const Py_ssize_t size = self->itemsize;
-    char *to = self->gathered;
-    for (Py_ssize_t r = 0; r < self->gather.count; r++) {
-        Py_ssize_t start = self->gather.runs[2 * r], n = self->gather.runs[2 * r + 1];
+    for (Py_ssize_t r = 0; r < gather->count; r++) {
+        Py_ssize_t start = gather->runs[2 * r], n = gather->runs[2 * r + 1];
         copy_items(to, flat + start * size, n, size);
         if (self->adjoint)
             memset(flat + start * size, 0, (size_t)(n * size));
@@ -3074,12 +3092,11 @@ halo_gather(HaloPassObject *self, char *flat)
 }
 
 static void
-halo_scatter(HaloPassObject *self, char *flat)
+halo_scatter(HaloPassObject *self, char *flat, const Runs *scatter, const char *from)
 {
     const Py_ssize_t size = self->itemsize;
-    const char *from = self->scattered;
-    for (Py_ssize_t r = 0; r < self->scatter.count; r++) {
-        Py_ssize_t start = self->scatter.runs[2 * r], n = self->scatter.runs[2 * r + 1];
+    for (Py_ssize_t r = 0; r < scatter->count; r++) {
+        Py_ssize_t start = scatter->runs[2 * r], n = scatter->runs[2 * r + 1];
         Py_ssize_t k = n * size; /* bytes */
         if (self->add == ADD_DOUBLE) {
             double *t = (double *)(flat + start * size);
@@ -3097,6 +3114,44 @@ halo_scatter(HaloPassObject *self, char *flat)
     }
 }
 
+/* Add the ``components`` floats or doubles at ``from`` into those at ``to``, and zero ``from``. */
+static inline void
+add_and_zero(HaloPassObject *self, char *to, char *from)
+{
+    if (self->add == ADD_DOUBLE)
+        for (int c = 0; c < self->components; c++) {
+            ((double *)to)[c] += ((double *)from)[c];
+            ((double *)from)[c] = 0;
+        }
+    else
+        for (int c = 0; c < self->components; c++) {
+            ((float *)to)[c] += ((float *)from)[c];
+            ((float *)from)[c] = 0;
+        }
+}
+
+/* A whole pass's copies to itself: forward, each ghost cell becomes its slab cell; backward, each ghost cell is added
+ * into its slab cell and becomes zero, in the index maps' order (as the Python pass's ``index_add_`` adds them, after
+ * what was received). */
+static void
+halo_copy(HaloPassObject *self, char *flat)
+{
+    const Py_ssize_t size = self->itemsize;
+    for (Py_ssize_t g = 0; g < self->copies.count; g++) {
+        const CopyGroup *group = &self->copies.groups[g];
+        char *slab = flat + group->slab * size, *ghost = flat + group->ghost * size;
+        const Py_ssize_t slab_step = group->slab_step * size, ghost_step = group->ghost_step * size;
+        if (!self->adjoint) {
+            for (Py_ssize_t i = 0; i < group->count; i++, slab += slab_step, ghost += ghost_step)
+                copy_items(ghost, slab, group->length, size);
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < group->count; i++, slab += slab_step, ghost += ghost_step)
+            for (Py_ssize_t k = 0; k < group->length; k++)
+                add_and_zero(self, slab + k * size, ghost + k * size);
+    }
+}
+
 /* The tensor's address argument into ``*flat``: 0, or -1 with an error (a tensor without elements may be at 0: it has
  * no cell to gather or scatter). */
 static int
@@ -3108,7 +3163,7 @@ halo_address(PyObject *arg, char **flat)
 
 /* Gather and post: 1, or 0 with ``*result`` set (NotImplemented, or an MPI error code), or -1 on an error. */
 static int
-halo_start(HaloPassObject *self, char *flat, PyObject **result)
+halo_start(HaloPassObject *self, char *flat, int whole, PyObject **result)
 {
     calls_made[C_HALO_PASS]++;
     if (!gate()) {
@@ -3124,12 +3179,17 @@ halo_start(HaloPassObject *self, char *flat, PyObject **result)
             return 0;
         }
     }
-    halo_gather(self, flat);
+    if (whole)
+        halo_gather(self, flat, &self->gather_sent, self->gathered + self->gathered_at);
+    else
+        halo_gather(self, flat, &self->gather, self->gathered);
     int code = self->n > 0 ? MPI_Startall((int)self->n, self->reqs) : MPI_SUCCESS;
     if (code != MPI_SUCCESS) {
         *result = PyLong_FromLong(code);
         return *result == NULL ? -1 : 0;
     }
+    if (whole && !self->adjoint)
+        halo_copy(self, flat); /* while the messages travel: the cells it copies are no message's */
     return 1;
 }
 
@@ -3143,7 +3203,7 @@ error_class_of(int code)
 
 /* Wait, check and scatter: None when done, else what went wrong (see above). */
 static PyObject *
-halo_finish(HaloPassObject *self, char *flat)
+halo_finish(HaloPassObject *self, char *flat, int whole)
 {
     int code = MPI_SUCCESS, done = 0;
     if (self->n > 0) {
@@ -3180,7 +3240,13 @@ halo_finish(HaloPassObject *self, char *flat)
         if (received_bytes(status) != self->received[2 * j + 1])
             return Py_BuildValue("(nn)", j, received_bytes(status));
     }
-    halo_scatter(self, flat);
+    if (!whole) {
+        halo_scatter(self, flat, &self->scatter, self->scattered);
+        Py_RETURN_NONE;
+    }
+    halo_scatter(self, flat, &self->scatter_received, self->scattered + self->scattered_at);
+    if (self->adjoint)
+        halo_copy(self, flat);
     Py_RETURN_NONE;
 }
 
@@ -3194,12 +3260,12 @@ halo_call(HaloPassObject *self, PyObject *arg, int which)
     if (halo_address(arg, &flat) < 0)
         return NULL;
     if (which == HALO_FINISH)
-        return halo_finish(self, flat);
+        return halo_finish(self, flat, 0);
     PyObject *result = NULL;
-    int started = halo_start(self, flat, &result);
+    int started = halo_start(self, flat, which == HALO_RUN, &result);
     if (started != 1)
         return started == 0 ? result : NULL;
-    return which == HALO_RUN ? halo_finish(self, flat) : Py_NewRef(Py_None);
+    return which == HALO_RUN ? halo_finish(self, flat, 1) : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(halo_run_doc, "run($self, address, /)\n--\n\n"
@@ -3233,19 +3299,26 @@ halo_finish_method(HaloPassObject *self, PyObject *arg)
 /* An index map given as a (address, count) pair of Python ints (an int64 array the caller keeps alive while this
  * reads it) made into runs: 0, or -1 with an error. */
 static int
-halo_runs(PyObject *pair, Runs *out)
+halo_index(PyObject *pair, const long long **index, Py_ssize_t *count)
 {
     PyObject *a, *n;
     if (!PyArg_ParseTuple(pair, "OO", &a, &n))
         return -1;
-    const long long *index = PyLong_AsVoidPtr(a);
-    Py_ssize_t count = PyLong_AsSsize_t(n);
+    *index = PyLong_AsVoidPtr(a);
+    *count = PyLong_AsSsize_t(n);
     if (PyErr_Occurred())
         return -1;
-    if (count < 0 || (count > 0 && index == NULL)) {
+    if (*count < 0 || (*count > 0 && *index == NULL)) {
         PyErr_SetString(PyExc_ValueError, "HaloPass: a bad index map");
         return -1;
     }
+    return 0;
+}
+
+/* ``count`` flat indices at ``index`` as runs: 0, or -1 with an error. */
+static int
+halo_runs(const long long *index, Py_ssize_t count, Runs *out)
+{
     out->runs = PyMem_Malloc(2 * (size_t)count * sizeof(Py_ssize_t) + 1);
     if (out->runs == NULL) {
         PyErr_NoMemory();
@@ -3265,17 +3338,54 @@ halo_runs(PyObject *pair, Runs *out)
     return 0;
 }
 
+/* The ``count`` pairs (``slabs[i]``, ``ghosts[i]``) as groups of runs: 0, or -1 with an error. */
+static int
+halo_copies(const long long *slabs, const long long *ghosts, Py_ssize_t count, Copies *out)
+{
+    out->groups = PyMem_Malloc((size_t)count * sizeof(CopyGroup) + 1);
+    if (out->groups == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    out->count = 0;
+    CopyGroup run = {0, 0, 0, 1, 0, 0};
+    for (Py_ssize_t i = 0; i <= count; i++) {
+        if (i < count && run.length > 0 && slabs[i] == run.slab + run.length && ghosts[i] == run.ghost + run.length) {
+            run.length++;
+            continue;
+        }
+        if (run.length > 0) { /* a run is over: it extends the last group, or starts one */
+            CopyGroup *last = out->count > 0 ? &out->groups[out->count - 1] : NULL;
+            if (last != NULL && last->length == run.length &&
+                (last->count == 1 || (run.slab == last->slab + last->count * last->slab_step &&
+                                      run.ghost == last->ghost + last->count * last->ghost_step))) {
+                if (last->count == 1) {
+                    last->slab_step = run.slab - last->slab;
+                    last->ghost_step = run.ghost - last->ghost;
+                }
+                last->count++;
+            } else
+                out->groups[out->count++] = run;
+        }
+        if (i < count)
+            run = (CopyGroup){(Py_ssize_t)slabs[i], (Py_ssize_t)ghosts[i], 1, 1, 0, 0};
+    }
+    return 0;
+}
+
 static PyObject *
 halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"requests", "receives", "gather",     "gathered", "scatter", "scattered", "itemsize",
-                               "adjoint",  "add",      "components", "keep",     "report",  NULL};
+                               "adjoint",  "add",      "components", "keep",     "report",  "selfs",     NULL};
     PyObject *requests, *receives, *gather, *gathered, *scatter, *scattered, *keep, *report;
     const char *adds = NULL; /* None: copy; "f": add floats; "d": add doubles */
     int itemsize, adjoint, components;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!OipziOO:HaloPass", keywords, &PyTuple_Type, &requests,
+    Py_ssize_t selfs; /* how many cells it sends to itself: the end of the slabs, the start of the ghosts */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!OipziOOn:HaloPass", keywords, &PyTuple_Type, &requests,
                                      &PyTuple_Type, &receives, &PyTuple_Type, &gather, &gathered, &PyTuple_Type,
-                                     &scatter, &scattered, &itemsize, &adjoint, &adds, &components, &keep, &report))
+                                     &scatter, &scattered, &itemsize, &adjoint, &adds, &components, &keep, &report,
+                                     &selfs))
         return NULL;
     int add = adds == NULL ? ADD_NONE : strcmp(adds, "f") == 0 ? ADD_FLOAT : strcmp(adds, "d") == 0 ? ADD_DOUBLE : -1;
     if (itemsize < 1 || add < 0 || components < 1 ||
@@ -3316,13 +3426,34 @@ halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         }
     self->gathered = PyLong_AsVoidPtr(gathered);
     self->scattered = PyLong_AsVoidPtr(scattered);
-    if (PyErr_Occurred() || halo_runs(gather, &self->gather) < 0 || halo_runs(scatter, &self->scatter) < 0) {
+    const long long *from, *into;
+    Py_ssize_t nfrom, ninto;
+    if (PyErr_Occurred() || halo_index(gather, &from, &nfrom) < 0 || halo_index(scatter, &into, &ninto) < 0) {
         Py_DECREF(self);
         return NULL;
     }
+    if (selfs < 0 || selfs > nfrom || selfs > ninto) {
+        PyErr_SetString(PyExc_ValueError, "HaloPass: more cells sent to itself than gathered or scattered");
+        Py_DECREF(self);
+        return NULL;
+    }
+    /* forward: the slabs gathered end with the cells sent to itself, the ghosts scattered begin with them; backward
+     * the other way round */
+    const long long *slabs = adjoint ? into + ninto - selfs : from + nfrom - selfs;
+    const long long *ghosts = adjoint ? from : into;
+    if (halo_runs(from, nfrom, &self->gather) < 0 || halo_runs(into, ninto, &self->scatter) < 0 ||
+        halo_runs(adjoint ? from + selfs : from, nfrom - selfs, &self->gather_sent) < 0 ||
+        halo_runs(adjoint ? into : into + selfs, ninto - selfs, &self->scatter_received) < 0 ||
+        halo_copies(slabs, ghosts, selfs, &self->copies) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->gathered_at = adjoint ? selfs * itemsize : 0;
+    self->scattered_at = adjoint ? 0 : selfs * itemsize;
     self->itemsize = itemsize;
     self->adjoint = adjoint;
     self->add = add;
+    self->components = components;
     return (PyObject *)self;
 }
 
@@ -3337,6 +3468,9 @@ halo_dealloc(HaloPassObject *self)
     PyMem_Free(self->received);
     PyMem_Free(self->gather.runs);
     PyMem_Free(self->scatter.runs);
+    PyMem_Free(self->gather_sent.runs);
+    PyMem_Free(self->scatter_received.runs);
+    PyMem_Free(self->copies.groups);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
