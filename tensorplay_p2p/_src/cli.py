@@ -302,11 +302,11 @@ def _build_nodes(args: argparse.Namespace) -> int:
     if args.check:
         print(f"autograd nodes: {_native.reason}")
         return 0 if _native.nodes is not None else 1
-    already = _native.library().is_file()
     start = time.perf_counter()
     try:
+        already = _native.library().is_file()
         path = _native.build(verbose=args.verbose)
-    except RuntimeError as exc:
+    except (OSError, RuntimeError) as exc:  # no compiler or ninja; a failed compile; an unwritable cache folder
         print(f"{what}: {exc}; the Python nodes run instead", file=sys.stderr)
         return 1
     done = "already built" if already else f"built in {time.perf_counter() - start:.0f} s"

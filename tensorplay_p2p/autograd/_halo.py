@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
+from torch._dynamo import compiled_autograd as _compiled_autograd
 from torch.autograd import forward_ad
 
 from .._src import engine, errors
@@ -674,11 +675,17 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
 
 def _recordable(native: Any, x: Any) -> bool:
     """Whether the native node records ``x``'s in-place exchange (``_native``): eager (no forward-mode level open, not
-    traced by torch.compile) and what ``native.recordable`` checks: in grad mode, where the Python node would be a
-    plain ``Function``'s (no torch.func transform, profiler or anomaly mode to serve, no tensor subclass's torch
-    function), on a contiguous tensor that is no conjugate or negative view (whose history torch cannot rebase onto a
-    node of its own: the Python node marks it dirty instead)."""
-    return forward_ad._current_level < 0 and not _compiling() and bool(native.recordable(x))
+    traced by torch.compile, compiled autograd off: it runs only nodes it can trace, and the native node's backward is
+    Python's) and what ``native.recordable`` checks: in grad mode, where the Python node would be a plain
+    ``Function``'s (no torch.func transform or wrapper, profiler or anomaly mode to serve, no tensor subclass's torch
+    function), on a contiguous tensor of a dtype that carries a gradient, no conjugate or negative view (whose history
+    torch cannot rebase onto a node of its own: the Python node marks it dirty instead)."""
+    return (
+        forward_ad._current_level < 0
+        and not _compiling()
+        and not _compiled_autograd.compiled_autograd_enabled
+        and bool(native.recordable(x))
+    )
 
 
 _compiling = torch.compiler.is_compiling

@@ -66,9 +66,11 @@ struct HaloExchangeInPlaceBackward : public torch::autograd::Node {
 };
 
 // Whether ``fill_in_place`` may record the exchange of ``object``: a ``torch.Tensor`` or ``Parameter`` (no subclass,
-// whose torch function the Python node serves), contiguous, no conjugate or negative view (whose history cannot be
-// rebased onto a node), in grad mode, with no torch.func transform, profiler or anomaly mode to serve (the Python node
-// serves them). The forward-mode level and torch.compile's tracing are Python's to check.
+// whose torch function the Python node serves) of a dtype that carries a gradient (for integers the Python path records
+// no node), no torch.func wrapper (a dead one, left by a finished transform, the Python path unwraps), contiguous, no
+// conjugate or negative view (whose history cannot be rebased onto a node), in grad mode, with no torch.func
+// transform, profiler or anomaly mode to serve (the Python node serves them).  The forward-mode level, torch.compile's
+// tracing and compiled autograd are Python's to check.
 static bool
 recordable(py::handle object)
 {
@@ -76,8 +78,11 @@ recordable(py::handle object)
     if (!THPVariable_CheckExact(o))
         return false;
     const Tensor &x = THPVariable_Unpack(o);
+    const auto keys = x.key_set();
     const auto included = c10::impl::tls_local_dispatch_key_set().included_;
-    return at::GradMode::is_enabled() && !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+    return (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type())) &&
+           !keys.has(c10::DispatchKey::FuncTorchGradWrapper) && !keys.has(c10::DispatchKey::FuncTorchBatched) &&
+           at::GradMode::is_enabled() && !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
            !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) &&
            !torch::profiler::impl::profilerEnabled() && !torch::autograd::AnomalyMode::is_enabled() &&
            x.is_contiguous() && !x.is_conj() && !x.is_neg();
@@ -89,8 +94,8 @@ recordable(py::handle object)
 static Tensor
 fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
 {
+    torch::autograd::increment_version(x); // written already: a tensor saved before is caught, even where x is refused
     torch::autograd::check_inplace(x, true);
-    torch::autograd::increment_version(x);
     auto node = c10::make_intrusive<HaloExchangeInPlaceBackward>();
     node->plan = plan.inc_ref().ptr();
     node->call = call;

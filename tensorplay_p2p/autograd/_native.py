@@ -56,10 +56,12 @@ def cache() -> Path:
 
 
 def _name() -> str:
-    """The module's name: its source's digest, with torch's version and C++ ABI, the interpreter and the flags."""
+    """The module's name: its source's digest, with torch's version and C++ ABI, the interpreter's extension ABI (its
+    version, debug and free-threaded builds, platform) and the flags."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
-    digest.update(repr((torch.__version__, abi, sys.implementation.cache_tag, sys.platform, FLAGS)).encode())
+    interpreter = (sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0], sys.platform)
+    digest.update(repr((torch.__version__, abi, interpreter, FLAGS)).encode())
     return f"tensorplay_p2p_native_{digest.hexdigest()[:16]}"
 
 
@@ -84,16 +86,17 @@ def _load(adjoint: Callable[[Any, Any, int], Any]) -> tuple[Any, str]:
         return None, f"Python: {engine.ENV} is not 0 or 1"
     try:
         path = library()
-    except OSError as exc:
-        return None, f"Python: its source cannot be read ({exc})"
-    if not path.is_file():
+        built = path.is_file()
+    except (OSError, RuntimeError) as exc:  # an unreadable source or cache folder; no home folder
+        return None, f"Python: the build cannot be looked for ({exc})"
+    if not built:
         return None, "Python: not built for this torch (tensorplay-p2p build-nodes builds it)"
     try:
         module = _import(path)
         if getattr(module, "CONTRACT", None) != CONTRACT:
             return None, f"Python: the build at {path} is not of this version of the package (build it again)"
         module.set_adjoint(adjoint)
-    except (ImportError, OSError) as exc:
+    except Exception as exc:  # whatever a library that is not ours, or broken, raises: never the import's error
         return None, f"Python: the build at {path} does not load ({exc})"
     return module, f"native (C++, built at {path})"
 
@@ -135,12 +138,24 @@ def build(verbose: bool = False) -> Path:
                 target.stem, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=folder, verbose=verbose
             )
         except (OSError, RuntimeError, ImportError) as exc:  # no compiler; a failed compile
-            lines = str(exc).strip().splitlines()
-            raise RuntimeError(f"building {SOURCE.name} failed: {lines[-1] if lines else type(exc).__name__}") from None
+            raise RuntimeError(f"building {SOURCE.name} failed: {_first_error(str(exc))}") from None
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}")
-        shutil.copyfile(Path(folder) / target.name, partial)
-        os.replace(partial, target)  # whole or not at all: another process building too writes the same bytes
+        handle, partial = tempfile.mkstemp(prefix=f".{target.stem}.", dir=target.parent)  # unique on a shared folder
+        try:
+            with os.fdopen(handle, "wb") as out, open(Path(folder) / target.name, "rb") as built:
+                shutil.copyfileobj(built, out)
+            os.chmod(partial, 0o755)
+            os.replace(partial, target)  # whole or not at all: another process building too writes the same bytes
+        except BaseException:
+            Path(partial).unlink(missing_ok=True)
+            raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first error line in a failed build's output, else its last line."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[0 if errors else -1]

@@ -67,6 +67,13 @@ def _field(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return x.to(dtype)
 
 
+def _warm(cart: dist.CartGroup, shape: tuple[int, ...], dtype: torch.dtype, halo: object, corners: bool) -> None:
+    """Every slot's forward pass built, so that ``Plan.fill`` takes the compiled pass where the engine has one (a
+    slot's first exchange builds it through ``Plan.run``)."""
+    for _ in range(_halo.SLOTS):
+        ag.halo_exchange_(torch.zeros(shape, dtype=dtype), cart, halo, corners)
+
+
 def _shape(cart: dist.CartGroup, halo: object) -> tuple[int, ...]:
     widths = _halo.widths_of(halo, len(cart.dims), "test")
     return (*(3 + lo + hi + (c % 2) for (lo, hi), c in zip(widths, cart.coords, strict=True)), 2)
@@ -95,6 +102,8 @@ def test_the_native_and_the_python_node_agree(
     cart = dist.new_cart_group(dims, periods)
     shape = _shape(cart, halo)
     x, v, u = (_field(shape, dtype, seed) for seed in range(3))
+    _warm(cart, shape, dtype, halo, corners)
+    before = engine.counts().get("HaloPass", (0, 0))
 
     def run() -> tuple[str, list[torch.Tensor]]:
         leaf = x.clone().requires_grad_(RANK != 0)
@@ -112,9 +121,12 @@ def test_the_native_and_the_python_node_agree(
         return name, [*out, g.detach(), gg]
 
     native_name, native = run()
+    taken, handed = (a - b for a, b in zip(engine.counts().get("HaloPass", (0, 0)), before, strict=True))
     with _python_nodes(monkeypatch):
         python_name, python = run()
     assert (native_name, python_name) == (NATIVE, PYTHON)
+    if engine.accel is not None and not settings.state.checked:  # the exchanges in place: Plan.fill's compiled pass
+        assert taken >= 2 and handed == 0
     for a, b in zip(native, python, strict=True):
         assert torch.equal(a, b)
 
@@ -132,13 +144,24 @@ def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
         saved.sum().backward()
 
 
-def test_a_leaf_that_requires_a_gradient_is_refused_as_torch_refuses_it() -> None:
-    """torch's own error, after the exchange ran on every member (as the Python node raises it)."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_leaf_that_requires_a_gradient_is_refused_as_torch_refuses_it(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's own error, after the exchange ran on every member, and the leaf's version moved on: a tensor saved
+    before it is caught at backward (it was written), by either node."""
     _built()
+    if not native:
+        monkeypatch.setattr(_native, "nodes", None)
     cart = dist.new_cart_group((0,), True)
-    leaf = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    leaf = torch.arange(5, dtype=torch.float64, requires_grad=True)
+    saved = leaf * leaf  # saves the leaf
+    version = leaf._version
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
         ag.halo_exchange_(leaf, cart, 1)
+    assert leaf._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
     base = torch.zeros(2, 5, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match="view of a leaf Variable that requires grad"):
         ag.halo_exchange_(base[1], cart, 1)
@@ -203,7 +226,44 @@ def test_the_python_node_serves_what_the_native_node_leaves_to_it() -> None:
         ag.halo_exchange_(w, cart, 1, True)
         assert torch.equal(fwad.unpack_dual(w).tangent, want)
     out = torch.func.grad(lambda t: ag.halo_exchange_(t * 1, cart, 1, True).abs().sum())(x.clone())
-    assert out.shape == x.shape
+    leaf = x.clone().requires_grad_(True)
+    ag.halo_exchange_(leaf * 1, cart, 1, True).abs().sum().backward()
+    assert torch.equal(out, leaf.grad)
+    leaked: list[torch.Tensor] = []  # a wrapper a finished transform left: the Python path unwraps it
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        leaked.append(t * 1)
+        return t.abs().sum()
+
+    torch.func.grad(keep)(x.clone())
+    assert torch.equal(ag.halo_exchange_(leaked[0], cart, 1, True).detach(), want)
+    n = torch.arange(30, dtype=torch.int64).view(6, 5) + 100 * RANK  # integers: no node, as the Python path
+    y = ag.halo_exchange_(n, cart, 1, True)
+    assert y.grad_fn is None and not y.requires_grad
+    assert torch.equal(y, ag.halo_exchange(n, cart, 1, True))
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # its trace of the adjoint
+def test_compiled_autograd_gets_the_python_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled autograd traces only nodes it knows: recorded under it, the exchange gets the Python node, and
+    compiled autograd's gradient equals the native node's, run eagerly."""
+    _built()
+    if settings.state.checked:  # dynamo traces the Python adjoint, and fails on checked mode's numpy headers
+        pytest.skip("compiled autograd cannot trace a checked-mode message's header")
+    from torch._dynamo import compiled_autograd
+
+    cart = dist.new_cart_group((0,), True)
+    x = torch.arange(5, dtype=torch.float64) + RANK
+    leaf = x.clone().requires_grad_(True)
+    y = ag.halo_exchange_(leaf * 1, cart, 1)
+    assert y.grad_fn.name() == NATIVE
+    (y * y).sum().backward()
+    compiled = x.clone().requires_grad_(True)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        y = ag.halo_exchange_(compiled * 1, cart, 1)
+        assert y.grad_fn.name() == PYTHON
+        (y * y).sum().backward()
+    assert torch.equal(compiled.grad, leaf.grad)
 
 
 def test_an_error_in_the_backward_reaches_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
