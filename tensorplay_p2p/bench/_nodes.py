@@ -25,7 +25,8 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
   a 16 x 16 block with one ghost layer and corners: every neighbour is the process itself, so the exchange is copies
   and no message):
 
-  - ``halo_exchange_``: ``autograd.halo_exchange_(x.detach())`` in grad mode, with its node;
+  - ``halo_exchange_``: ``autograd.halo_exchange_(x.detach())`` in grad mode, with its node: the native one where
+    ``tensorplay-p2p build-nodes`` built it, else its Python ``Function`` (the table's title names it);
   - ``its compiled pass``: the same pass run alone (one ``HaloPass`` call: the gather and scatter); the difference is
     what the op's Python and its node add to each call (left out without the compiled engine);
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
@@ -69,6 +70,7 @@ class Nodes:
     us: dict[str, float]
     why: str
     compiled: bool = True  # whether the package's compiled engine ran the exchange's pass (``its compiled pass``)
+    node: str = ""  # the name of the node ``halo_exchange_`` recorded
 
 
 def build() -> tuple[Any, str]:
@@ -117,8 +119,9 @@ def _python_function(torch: Any, new: bool) -> Any:
     return _function._direct(cls)
 
 
-def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]]:
-    """The ``exchange`` series' bodies on ``cart`` (a periodic grid of this process alone), and what closes them."""
+def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], str]:
+    """The ``exchange`` series' bodies on ``cart`` (a periodic grid of this process alone), what closes them, and the
+    name of the node ``halo_exchange_`` records."""
     import tensorplay_p2p as tp
     from tensorplay_p2p import autograd as ag
     from tensorplay_p2p.autograd import _halo
@@ -126,7 +129,8 @@ def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Call
     x = torch.randn(SIDE, SIDE, dtype=torch.float64)
     persistent = x.clone()
     plan = tp.HaloExchange(persistent, cart, halo=1, corners=True)
-    assert ag.halo_exchange_(x.detach(), cart, 1, corners=True).grad_fn is not None  # in grad mode: a node
+    node = ag.halo_exchange_(x.detach(), cart, 1, corners=True).grad_fn  # in grad mode: a node
+    assert node is not None
     bodies = {
         "exchange: halo_exchange_": lambda: ag.halo_exchange_(x.detach(), cart, 1, corners=True),
         "exchange: persistent HaloExchange": plan.exchange,
@@ -137,7 +141,7 @@ def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Call
     halo._release(call, False, None)
     if part.kernel is not None:
         bodies["exchange: its compiled pass"] = lambda: part.kernel.run(x.data_ptr())
-    return bodies, plan.close
+    return bodies, plan.close, str(node.name())
 
 
 def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
@@ -204,9 +208,10 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
     module, why = build() if COMM.Get_rank() == 0 else (None, "")
     built = COMM.bcast(module is not None, root=0)
     close: Callable[[], None] = lambda: None  # noqa: E731
+    node = ""
     if COMM.Get_rank() == 0:
         bodies = _bodies(module)
-        exchange, close = _exchange(torch, cart)
+        exchange, close, node = _exchange(torch, cart)
         bodies |= exchange
     compiled = COMM.bcast(COMM.Get_rank() != 0 or "exchange: its compiled pass" in bodies, root=0)
     series = names(built, compiled)
@@ -221,7 +226,7 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
         close()
     if median is None:
         return None
-    return Nodes({name: median[name] * 1e6 for name in series}, why, compiled)
+    return Nodes({name: median[name] * 1e6 for name in series}, why, compiled, node)
 
 
 def baseline(kind: str, way: str) -> str:
@@ -262,7 +267,10 @@ def format_nodes(result: Nodes, markdown: bool = False) -> str:
     if own is not None:
         rows.append(["its compiled pass", format_figure(own), "", f"{own / persistent:.3g}"])
     rows.append(["persistent HaloExchange", format_figure(persistent), "", "1"])
-    title = "the package's in-place halo exchange on a grid of one process (16x16, 1 ghost layer, corners; us per call)"
+    title = (
+        "the package's in-place halo exchange on a grid of one process (16x16, 1 ghost layer, corners; its node "
+        f"{result.node or 'unnamed'}; us per call)"
+    )
     header = ["series", "us per call", "less its compiled pass", "over the persistent HaloExchange's"]
     table += "\n\n" + format_rows(title, header, rows, markdown)
     if own is None:
