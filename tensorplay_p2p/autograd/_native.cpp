@@ -91,15 +91,25 @@ recordable(py::handle object)
 // Record ``x``'s in-place exchange (already run) in autograd: ``x``'s version moves on and its history becomes the
 // node, whose inputs are ``x``'s previous history and ``anchor``.  Raises torch's own error where ``x`` may not be
 // written in place (a leaf that requires a gradient, a view of one), as torch's in-place ops do.
+//
+// The order is torch's own in-place ops': check, the edges, the version, the history.  The edges are taken before
+// the version moves on: a view's history read after it would be made anew at the new version, over its base's old
+// history, and then stay as it is when the base's is rebased (the view's backward would skip the exchange).
 static Tensor
 fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
 {
-    torch::autograd::increment_version(x); // written already: a tensor saved before is caught, even where x is refused
-    torch::autograd::check_inplace(x, true);
+    try {
+        torch::autograd::check_inplace(x, true);
+    } catch (...) {
+        torch::autograd::increment_version(x); // written all the same: a tensor saved before it is caught at backward
+        throw;
+    }
+    auto edges = torch::autograd::collect_next_edges(x, anchor);
+    torch::autograd::increment_version(x);
     auto node = c10::make_intrusive<HaloExchangeInPlaceBackward>();
     node->plan = plan.inc_ref().ptr();
     node->call = call;
-    node->set_next_edges(torch::autograd::collect_next_edges(x, anchor));
+    node->set_next_edges(std::move(edges));
     torch::autograd::rebase_history(x, node);
     return x;
 }

@@ -544,3 +544,17 @@ def test_a_negative_view_is_exchanged_by_its_values() -> None:
     in_place = torch._neg_view(x.clone())
     ag.halo_exchange_(in_place, cart, 1, True)
     assert torch.equal(in_place.detach(), want)
+
+
+def test_the_compiled_pass_refuses_a_backward_that_would_not_add() -> None:
+    """A HaloPass whose backward flag and addition disagree is refused when made, before it could copy where it must
+    add (or add where it must copy) in its direct copies."""
+    if engine.accel is None:
+        pytest.skip("no compiled engine")
+    empty = (0, 0)
+    common = {"requests": (), "receives": (), "gather": empty, "gathered": 0, "scatter": empty, "scattered": 0}
+    common |= {"itemsize": 8, "components": 1, "keep": None, "report": None, "selfs": 0}
+    for adjoint, add in ((True, None), (False, "d")):
+        with pytest.raises(ValueError, match="a backward pass adds"):
+            engine.accel.HaloPass(adjoint=adjoint, add=add, **common)
+    assert engine.accel.HaloPass(adjoint=True, add="d", **common).run(0) is None  # nothing to do: done

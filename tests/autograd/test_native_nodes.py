@@ -170,26 +170,44 @@ def test_a_leaf_that_requires_a_gradient_is_refused_as_torch_refuses_it(
     assert y[0] == 10 * ((RANK - 1) % SIZE) + 3 and y[4] == 10 * ((RANK + 1) % SIZE) + 1
 
 
-def test_a_view_s_exchange_rebases_its_base_s_history(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A contiguous view written in place: its base's gradient goes through torch's ``CopySlices``, as the Python
-    node's does, and equals it."""
+VIEWS = {
+    "row": lambda base: base[1],
+    "whole": lambda base: base[:],
+    "reshaped": lambda base: base.view(base.shape),
+    "transposed twice": lambda base: base.transpose(1, 2).transpose(1, 2),
+}
+
+
+@pytest.mark.parametrize("view", VIEWS, ids=list(VIEWS))
+def test_a_view_s_exchange_rebases_its_base_s_history(view: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contiguous view written in place: its base's history goes through torch's ``CopySlices`` and the view's own
+    is made anew over it, so that a loss of the view and one of the base both run the exchange's backward, as the
+    Python node's do; on rank 0 of several the Python node records it while its peers record the native one."""
     _built()
     cart = dist.new_cart_group((0, 0), True)
-    x = _field((3, 6, 5), torch.float64, 4)
+    x, v = _field((3, 6, 5), torch.float64, 4), _field((3, 6, 5), torch.float64, 5)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        leaf = x.clone().requires_grad_(True)
-        base = leaf * 1
-        ag.halo_exchange_(base[1], cart, 1, True)
-        assert type(base.grad_fn).__name__ == "CopySlices"
-        (base * base).sum().backward()
-        assert leaf.grad is not None
-        return base.detach(), leaf.grad
+    def run() -> list[torch.Tensor]:
+        out = []
+        for through_view in (True, False):
+            leaf = x.clone().requires_grad_(True)
+            base = leaf * 1
+            y = ag.halo_exchange_(VIEWS[view](base), cart, 1, True)
+            assert type(base.grad_fn).__name__ == "CopySlices"
+            loss = (y * y).sum() if through_view else (base * v).sum()
+            loss.backward()
+            assert leaf.grad is not None
+            out += [base.detach(), leaf.grad]
+        return out
 
-    native = run()
+    with monkeypatch.context() as patch:
+        if RANK == 0 and SIZE > 1:
+            patch.setattr(_native, "nodes", None)
+        native = run()
     with _python_nodes(monkeypatch):
         python = run()
-    assert torch.equal(native[0], python[0]) and torch.equal(native[1], python[1])
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")

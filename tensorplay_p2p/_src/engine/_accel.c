@@ -3017,7 +3017,9 @@ new_collective(int kind)
  * A call returns None when done; NotImplemented, before anything is touched, where the Python pass must run it
  * (``gate``: checked mode, the watchdog, a thread that may not call MPI, a torch profiler; or requests freed);
  * else what went wrong, for the Python side to word: an MPI error code, or ``(receive, bytes)`` for a receive of the
- * wrong size (bytes -1: longer than expected).  Either way the step is over.  Addresses are the Python side's: it
+ * wrong size (bytes -1: longer than expected).  Either way the step is over, and the tensor in neither state: a
+ * whole forward pass may have copied the cells it sends itself, and the gather of a backward pass zeroed the ghosts it
+ * sends (as a failed Python pass leaves them).  Addresses are the Python side's: it
  * makes them from tensors this object keeps alive (``keep``) and from a contiguous host tensor of the plan's shape
  * and dtype. */
 
@@ -3388,10 +3390,10 @@ halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                      &selfs))
         return NULL;
     int add = adds == NULL ? ADD_NONE : strcmp(adds, "f") == 0 ? ADD_FLOAT : strcmp(adds, "d") == 0 ? ADD_DOUBLE : -1;
-    if (itemsize < 1 || add < 0 || components < 1 ||
+    if (itemsize < 1 || add < 0 || components < 1 || (adjoint != 0) != (add != ADD_NONE) ||
         (add != ADD_NONE &&
          (size_t)itemsize != (size_t)components * (add == ADD_FLOAT ? sizeof(float) : sizeof(double)))) {
-        PyErr_SetString(PyExc_ValueError, "HaloPass: bad itemsize, add or components");
+        PyErr_SetString(PyExc_ValueError, "HaloPass: bad itemsize, add or components (a backward pass adds)");
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(requests), nrecv = PyTuple_GET_SIZE(receives);
@@ -3439,11 +3441,13 @@ halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     /* forward: the slabs gathered end with the cells sent to itself, the ghosts scattered begin with them; backward
      * the other way round */
-    const long long *slabs = adjoint ? into + ninto - selfs : from + nfrom - selfs;
+    const long long *slabs = selfs == 0 ? NULL : adjoint ? into + ninto - selfs : from + nfrom - selfs;
     const long long *ghosts = adjoint ? from : into;
+    const long long *sent = adjoint && selfs > 0 ? from + selfs : from; /* no arithmetic on an empty map's NULL */
+    const long long *received = !adjoint && selfs > 0 ? into + selfs : into;
     if (halo_runs(from, nfrom, &self->gather) < 0 || halo_runs(into, ninto, &self->scatter) < 0 ||
-        halo_runs(adjoint ? from + selfs : from, nfrom - selfs, &self->gather_sent) < 0 ||
-        halo_runs(adjoint ? into : into + selfs, ninto - selfs, &self->scatter_received) < 0 ||
+        halo_runs(sent, nfrom - selfs, &self->gather_sent) < 0 ||
+        halo_runs(received, ninto - selfs, &self->scatter_received) < 0 ||
         halo_copies(slabs, ghosts, selfs, &self->copies) < 0) {
         Py_DECREF(self);
         return NULL;
