@@ -35,7 +35,7 @@ import torch
 from .._src import engine
 from .._src.settings import env_flag
 
-__all__ = ["CACHE_ENV", "CONTRACT", "build", "library", "load", "nodes", "reason"]
+__all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
 CONTRACT = 1  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
@@ -125,20 +125,9 @@ def build(verbose: bool = False) -> Path:
     target = library()
     if target.is_file():
         return target
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.verify_ninja_availability()
-    except (ImportError, RuntimeError) as exc:
-        raise RuntimeError(f"torch.utils.cpp_extension cannot build here: {exc}") from None
     folder = tempfile.mkdtemp(prefix="tensorplay_p2p_native_")
     try:
-        try:
-            cpp_extension.load(
-                target.stem, [str(SOURCE)], extra_cflags=list(FLAGS), build_directory=folder, verbose=verbose
-            )
-        except (OSError, RuntimeError, ImportError) as exc:  # no compiler; a failed compile
-            raise RuntimeError(f"building {SOURCE.name} failed: {_first_error(str(exc))}") from None
+        compile_extension(target.stem, SOURCE, folder, verbose)
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(prefix=f".{target.stem}.", dir=target.parent)  # unique on a shared folder
         try:
@@ -152,6 +141,28 @@ def build(verbose: bool = False) -> Path:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return target
+
+
+def compile_extension(name: str, source: Path, folder: str, verbose: bool = False) -> ModuleType:
+    """Build the C++ ``source`` against this torch with its ``cpp_extension`` (``FLAGS``) into ``folder``, as module
+    ``name`` (``folder/name.so``), and return it loaded (shared with the benchmark's ``_nodes.cpp``).
+
+    Raises:
+        RuntimeError: no C++ compiler or ninja, or a failed compile, with the compiler's first error.
+    """
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+    except (ImportError, RuntimeError) as exc:
+        raise RuntimeError(f"torch.utils.cpp_extension cannot build it: {exc}") from None
+    try:
+        module: ModuleType = cpp_extension.load(
+            name, [str(source)], extra_cflags=list(FLAGS), build_directory=folder, verbose=verbose
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler; a failed compile
+        raise RuntimeError(f"building {source.name} failed: {_first_error(str(exc))}") from None
+    return module
 
 
 def _first_error(output: str) -> str:

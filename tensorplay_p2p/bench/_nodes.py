@@ -75,27 +75,15 @@ class Nodes:
 
 def build() -> tuple[Any, str]:
     """The built ``_nodes.cpp`` and "", else None and why it could not be built."""
-    try:
-        from torch.utils import cpp_extension
+    from tensorplay_p2p.autograd import _native
 
-        cpp_extension.verify_ninja_availability()
-    except (ImportError, RuntimeError) as exc:
-        return None, f"torch.utils.cpp_extension cannot build it: {exc}"
     folder = tempfile.mkdtemp(prefix="tensorplay_p2p_nodes_")
     try:
-        module = cpp_extension.load(
-            "tensorplay_p2p_bench_nodes",
-            [str(_SOURCE)],
-            extra_cflags=["-O2"],
-            build_directory=folder,
-            verbose=False,
-        )
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, a failed build
-        lines = str(exc).strip().splitlines()
-        return None, f"building _nodes.cpp failed: {lines[-1] if lines else type(exc).__name__}"
+        return _native.compile_extension("tensorplay_p2p_bench_nodes", _SOURCE, folder), ""
+    except RuntimeError as exc:  # no compiler or ninja, a failed build
+        return None, str(exc)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # loaded, the library stays mapped
-    return module, ""
 
 
 def _python_function(torch: Any, new: bool) -> Any:
