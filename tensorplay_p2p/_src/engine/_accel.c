@@ -3032,10 +3032,9 @@ typedef struct {
     Py_ssize_t count;
 } Runs;
 
-/* The cells a whole pass copies within the tensor (its own neighbour's, where a grid dimension has one process): pairs
- * (slab cell, ghost cell) in the index maps' order, as groups of ``count`` runs of ``length`` cells whose starts step
- * by
- * ``steps`` (a face's column is one group of runs of one cell). */
+/* The cells a whole pass copies within the tensor (its own neighbour's, where a grid dimension has one process):
+ * pairs (slab cell, ghost cell) in the index maps' order, as groups of ``count`` runs of ``length`` cells whose
+ * starts step by ``slab_step`` and ``ghost_step`` (a face's column is one group of runs of one cell). */
 typedef struct {
     Py_ssize_t slab, ghost, length, count, slab_step, ghost_step;
 } CopyGroup;
@@ -3063,7 +3062,7 @@ typedef struct {
     Runs gather_sent, scatter_received;
     Py_ssize_t gathered_at, scattered_at; /* bytes into the buffers where the whole pass's gather and scatter begin */
     Copies copies;
-    int itemsize, adjoint, add, components;
+    int itemsize, adjoint, add;
 } HaloPassObject;
 
 /* Copy ``n`` elements of ``size`` bytes: fixed-size copies for the common sizes, which the compiler inlines. */
@@ -3093,6 +3092,23 @@ halo_gather(HaloPassObject *self, char *flat, const Runs *gather, char *to)
     }
 }
 
+/* Add the ``bytes`` bytes of floats or doubles (``self->add``) at ``from`` into those at ``to``. */
+static inline void
+add_items(HaloPassObject *self, char *to, const char *from, Py_ssize_t bytes)
+{
+    if (self->add == ADD_DOUBLE) {
+        double *t = (double *)to;
+        const double *f = (const double *)from;
+        for (Py_ssize_t c = 0; c < bytes / (Py_ssize_t)sizeof(double); c++)
+            t[c] += f[c];
+    } else {
+        float *t = (float *)to;
+        const float *f = (const float *)from;
+        for (Py_ssize_t c = 0; c < bytes / (Py_ssize_t)sizeof(float); c++)
+            t[c] += f[c];
+    }
+}
+
 static void
 halo_scatter(HaloPassObject *self, char *flat, const Runs *scatter, const char *from)
 {
@@ -3100,41 +3116,17 @@ halo_scatter(HaloPassObject *self, char *flat, const Runs *scatter, const char *
     for (Py_ssize_t r = 0; r < scatter->count; r++) {
         Py_ssize_t start = scatter->runs[2 * r], n = scatter->runs[2 * r + 1];
         Py_ssize_t k = n * size; /* bytes */
-        if (self->add == ADD_DOUBLE) {
-            double *t = (double *)(flat + start * size);
-            const double *f = (const double *)from;
-            for (Py_ssize_t c = 0; c < k / (Py_ssize_t)sizeof(double); c++)
-                t[c] += f[c];
-        } else if (self->add == ADD_FLOAT) {
-            float *t = (float *)(flat + start * size);
-            const float *f = (const float *)from;
-            for (Py_ssize_t c = 0; c < k / (Py_ssize_t)sizeof(float); c++)
-                t[c] += f[c];
-        } else
+        if (self->add != ADD_NONE)
+            add_items(self, flat + start * size, from, k);
+        else
             copy_items(flat + start * size, from, n, size);
         from += k;
     }
 }
 
-/* Add the ``components`` floats or doubles at ``from`` into those at ``to``, and zero ``from``. */
-static inline void
-add_and_zero(HaloPassObject *self, char *to, char *from)
-{
-    if (self->add == ADD_DOUBLE)
-        for (int c = 0; c < self->components; c++) {
-            ((double *)to)[c] += ((double *)from)[c];
-            ((double *)from)[c] = 0;
-        }
-    else
-        for (int c = 0; c < self->components; c++) {
-            ((float *)to)[c] += ((float *)from)[c];
-            ((float *)from)[c] = 0;
-        }
-}
-
 /* A whole pass's copies to itself: forward, each ghost cell becomes its slab cell; backward, each ghost cell is added
  * into its slab cell and becomes zero, in the index maps' order (as the Python pass's ``index_add_`` adds them, after
- * what was received). */
+ * what was received; a run's ghost cells are no slab cell, so each run is added whole, then zeroed). */
 static void
 halo_copy(HaloPassObject *self, char *flat)
 {
@@ -3143,14 +3135,15 @@ halo_copy(HaloPassObject *self, char *flat)
         const CopyGroup *group = &self->copies.groups[g];
         char *slab = flat + group->slab * size, *ghost = flat + group->ghost * size;
         const Py_ssize_t slab_step = group->slab_step * size, ghost_step = group->ghost_step * size;
-        if (!self->adjoint) {
-            for (Py_ssize_t i = 0; i < group->count; i++, slab += slab_step, ghost += ghost_step)
+        const Py_ssize_t bytes = group->length * size;
+        for (Py_ssize_t i = 0; i < group->count; i++, slab += slab_step, ghost += ghost_step) {
+            if (!self->adjoint) {
                 copy_items(ghost, slab, group->length, size);
-            continue;
+                continue;
+            }
+            add_items(self, slab, ghost, bytes);
+            memset(ghost, 0, (size_t)bytes);
         }
-        for (Py_ssize_t i = 0; i < group->count; i++, slab += slab_step, ghost += ghost_step)
-            for (Py_ssize_t k = 0; k < group->length; k++)
-                add_and_zero(self, slab + k * size, ghost + k * size);
     }
 }
 
@@ -3457,7 +3450,6 @@ halo_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->itemsize = itemsize;
     self->adjoint = adjoint;
     self->add = add;
-    self->components = components;
     return (PyObject *)self;
 }
 
