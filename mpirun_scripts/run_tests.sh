@@ -85,7 +85,7 @@ mpi_pytest() {  # mpi_pytest LABEL N [launcher args...] -- [pytest args...]
 
 echo "=== engine: $("$python" -c 'import tensorplay_p2p.config as c; print(c.engine_reason)')${label:+ ($label)} ==="
 # The native autograd nodes (tensorplay_p2p/autograd/_native.cpp), built against this torch once, into the cache
-# folder (docs/autograd.md): every run below but the pure-Python ones records halo_exchange_ with them.  A build
+# folder (docs/autograd.md): every run below but the pure-Python ones records halo_exchange and halo_exchange_ with them.  A build
 # that fails leaves the Python nodes; where the engine is expected compiled, test_native_nodes.py then fails.
 if "$python" -c "import torch" 2>/dev/null; then
     echo "=== autograd nodes: $(timeout -k 15 "$limit" "$python" -m tensorplay_p2p build-nodes 2>&1 | tail -n 1)${label:+ ($label)} ==="

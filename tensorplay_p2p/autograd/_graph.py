@@ -13,7 +13,8 @@ that a member's backward joins, whatever its own inputs and loss:
   gradient): where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
   send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
   outputs, and adds what it receives into the input's gradient.  So a dropped send is never pruned: its gradient is
-  received.  The hook lives as long as the op's node.
+  received.  The hook lives as long as the op's node.  The native node of ``halo_exchange`` keeps a guard of the same
+  rules in C++ (``_native.cpp``).
 
 A member whose backward reaches neither leaves its peers waiting: their wait's timeout names the message.
 """

@@ -361,7 +361,7 @@ class Plan:
         )
 
     def fill(self, x: Any) -> int:
-        """H in place on ``x`` for ``halo_exchange_``'s native node, outside any ``Function``, as the next call of the
+        """H in place on ``x`` for the native nodes (``_native``), outside any ``Function``, as the next call of the
         group (``number``), whose number it returns: the compiled body in one call where it takes the pass (the slot
         claimed around it, as ``_pass`` claims it), else ``run``, whose Python pass's torch ops then record no
         autograd history.  ``x``: contiguous, of the plan's shape, no conjugate or negative view, no torch.func
@@ -370,28 +370,44 @@ class Plan:
         with side.lock:  # the number and the slot in one go
             call = side.halo_calls
             side.halo_calls = call + 1
-            key = _KEYS[False][call % SLOTS]
-            part = self._passes.get(key)
-            kernel = part.kernel if part is not None and key not in side.halo_busy else None
-            if kernel is not None:
-                side.halo_busy.add(key)
+            kernel = self._claim(call, False)
+        self._fill(x, call, False, kernel)
+        return call
+
+    def fill_adjoint(self, x: Any, call: int) -> None:
+        """H* of call ``call`` in place on ``x``, as ``fill`` runs H: the native nodes' first-order backward (grad
+        mode off, no tangent, no profiler) on its gradient's copy."""
+        with self.side.lock:
+            kernel = self._claim(call, True)
+        self._fill(x, call, True, kernel)
+
+    def _claim(self, call: int, backward: bool) -> Any:
+        """Under the group's lock: the compiled body of ``call``'s slot, claimed, where it is made and free; else
+        None (``run`` claims it, or says why not)."""
+        key = _KEYS[backward][call % SLOTS]
+        part = self._passes.get(key)
+        kernel = part.kernel if part is not None and key not in self.side.halo_busy else None
+        if kernel is not None:
+            self.side.halo_busy.add(key)
+        return kernel
+
+    def _fill(self, x: Any, call: int, backward: bool, kernel: Any) -> None:
+        """The pass of ``fill`` or ``fill_adjoint``: ``kernel`` (claimed by ``_claim``) where it takes it."""
         if kernel is not None:
             if state.timeout is None and self.group.communicator is not None:
                 try:
                     result = kernel.run(x.data_ptr())
                 finally:
-                    with side.lock:
-                        side.halo_busy.discard(key)  # run whole: nothing of it is in flight
+                    with self.side.lock:
+                        self.side.halo_busy.discard(_KEYS[backward][call % SLOTS])  # run whole: nothing in flight
                 if result is None:
-                    return call
+                    return
                 if result is not NotImplemented:  # the step is over
-                    assert part is not None  # it has the kernel
-                    raise self._failure(part, call, False, result)
+                    raise self._failure(self._passes[_KEYS[backward][call % SLOTS]], call, backward, result)
             else:
-                self._release(call, False, None)
+                self._release(call, backward, None)
         with torch.no_grad():
-            self.run(x, call, False)
-        return call
+            self.run(x, call, backward)
 
     def run(self, x: Any, call: int, backward: bool) -> None:
         """H (``backward``: H*), in place on ``x`` (contiguous, of the plan's shape): with H*, the ghosts' values
@@ -627,6 +643,9 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
             dimension (``lo`` layers below the interior, ``hi`` above).
         corners: ``True`` fills edge and corner ghosts from the diagonal neighbours too (9- and 27-point stencils).
 
+    Where the native nodes are built (``tensorplay-p2p build-nodes``), autograd records one instead of a Python
+    ``Function``: the same values and gradients, at a fraction of the node's cost (docs/autograd.md).
+
     Returns:
         A new contiguous tensor of ``x``'s shape, dtype and device.
 
@@ -638,6 +657,11 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
     if torch.compiler.is_compiling():
         return compiled(x, group, halo, corners)
     plan = plan_for(x, group, halo, corners, "halo_exchange")
+    native = _native.nodes
+    if native is not None and _recordable(native, x):
+        y = native.copy(x)
+        call = plan.fill(y)
+        return native.fill_out_of_place(x, y, _anchor(), plan, call)
     call = number(plan)
     y = apply(_Fill, x, plan, call, *_anchored(x))
     _graph.guard(y.grad_fn, x, lambda: _substitute(plan, call))
@@ -649,7 +673,7 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
 
     For memory-bound codes. Autograd sees an in-place op: ``x`` must not be a leaf that requires a gradient, and
     a tensor saved for backward before it raises autograd's error at backward instead of giving a wrong gradient.
-    Where the native node is built (``tensorplay-p2p build-nodes``), autograd records it instead of a Python
+    Where the native nodes are built (``tensorplay-p2p build-nodes``), autograd records one instead of a Python
     ``Function``: the same values and gradients, at a third of the node's cost (docs/autograd.md).
 
     Args:
@@ -674,7 +698,7 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
 
 
 def _recordable(native: Any, x: Any) -> bool:
-    """Whether the native node records ``x``'s in-place exchange (``_native``): eager (no forward-mode level open, not
+    """Whether the native node records ``x``'s exchange (``_native``): eager (no forward-mode level open, not
     traced by torch.compile, compiled autograd off: it runs only nodes it can trace, and the native node's backward is
     Python's) and what ``native.recordable`` checks: in grad mode, where the Python node would be a plain
     ``Function``'s (no torch.func transform or wrapper, profiler or anomaly mode to serve, no tensor subclass's torch
@@ -693,19 +717,20 @@ _anchor = _graph.anchor
 
 
 def adjoint(grad: Any, plan: Plan, call: int) -> Any:
-    """The backward of the native node of ``halo_exchange_`` (``_native.cpp``): H* ``grad``, as ``_FillInPlace``'s
-    backward (zeros where no gradient came: the adjoint's messages go all the same)."""
+    """The backward of the native nodes of ``halo_exchange`` and ``halo_exchange_`` (``_native.cpp``): H* ``grad``,
+    as ``_Fill``'s and ``_FillInPlace``'s backward (zeros where no gradient came: the adjoint's messages go all the
+    same)."""
     if grad is None:
         grad = torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device)
     return apply(_AddBack, grad, plan, call)
 
 
-_native.load(adjoint)
-
-
 def _substitute(plan: Plan, call: int) -> Any:
     """The backward of call ``call`` with a zero output gradient: what it receives, as the input's gradient."""
     return plan.applied(torch.zeros(plan.shape, dtype=plan.dtype, device=plan.device), call, adjoint=True)
+
+
+_native.load(adjoint, _substitute)
 
 
 class _Flight:

@@ -1,76 +1,393 @@
-// The native autograd node of ``halo_exchange_`` (``autograd._native`` builds it against the installed torch).
+// The native autograd nodes of ``halo_exchange`` and ``halo_exchange_`` (``autograd._native`` builds them against the
+// installed torch).
 //
 // A ``torch.autograd.Function`` costs about 3 us a call in Python, more than a small exchange's whole persistent
-// step: the package's in-place exchange instead records this node, wired as torch's generated code wires its own
-// in-place ops' nodes (``check_inplace``, ``increment_version``, ``collect_next_edges``, ``rebase_history``).  The
-// exchange itself has run before (``Plan.run``, in Python and the compiled engine); this records only the node.
+// step: the package's exchanges instead record these nodes, wired as torch's generated code wires its own ops' nodes.
+// The exchange itself has run before (``Plan.fill``, in Python and the compiled engine); this records only the node.
 //
-// Its backward is the exchange's adjoint, run by the Python function ``set_adjoint`` installed (the same one the
-// Python node's backward runs: ``autograd._halo.adjoint``), with the GIL held.  The node holds the exchange's plan
-// (a Python object) and its call number, and takes the anchor as its second input, as the Python node does.
+// - ``halo_exchange_`` (``fill_in_place``): in torch's order for an in-place op (``check_inplace``,
+//   ``collect_next_edges``, ``increment_version``, ``rebase_history``).
+// - ``halo_exchange`` (``fill_out_of_place``): the result, a copy the exchange filled (``copy``), gets the node as
+//   its history (``set_history``), and the input a guard (``autograd._graph.guard``, natively): a hook on the input's
+//   gradient that runs the exchange's backward where a backward pass reaches the input but not the node.
+//
+// Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on a copy of the
+// gradient (``Plan.fill_adjoint``, as ``Plan.fill`` runs the forward); else the Python function ``set_functions``
+// installed (the one the Python nodes' backward runs: ``autograd._halo.adjoint``, differentiable in turn), with the
+// GIL held.  A node holds the exchange's plan (a Python object) and its call number, and takes the anchor as its last
+// input, as the Python node does.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/profiler/api.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
 namespace py = pybind11;
 using at::Tensor;
 using torch::autograd::variable_list;
 
-static PyObject *adjoint = nullptr; // owned: autograd._halo.adjoint(grad, plan, call)
+static PyObject *adjoint = nullptr;           // owned: autograd._halo.adjoint(grad, plan, call)
+static PyObject *substitute = nullptr;        // owned: autograd._halo._substitute(plan, call)
+static PyObject *fill_adjoint_name = nullptr; // "fill_adjoint"; held for good
 
-struct HaloExchangeInPlaceBackward : public torch::autograd::Node {
+// A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
+// ``fill_out_of_place`` records it, and what a lean adjoint adds into.
+static Tensor
+copy(const Tensor &x)
+{
+    at::AutoDispatchBelowADInplaceOrView below; // no autograd: the node is recorded after the exchange
+    return x.clone(at::MemoryFormat::Contiguous);
+}
+
+// A plan and a call number: what the adjoint and the substitute take.  The plan is released with the GIL, while the
+// interpreter lives.
+struct Call {
     PyObject *plan = nullptr; // owned
-    int64_t call = 0;
+    int64_t number = 0;
 
-    variable_list
-    apply(variable_list &&grads) override
-    {
-        py::gil_scoped_acquire gil;
-        if (adjoint == nullptr || plan == nullptr)
-            throw std::runtime_error("halo_exchange_: its backward ran after the interpreter's end, or twice freed");
-        py::object grad = grads[0].defined() ? py::cast(grads[0]) : py::none();
-        py::object number = py::reinterpret_steal<py::object>(PyLong_FromLongLong(call));
-        if (!number)
-            throw py::error_already_set();
-        PyObject *result = PyObject_CallFunctionObjArgs(adjoint, grad.ptr(), plan, number.ptr(), nullptr);
-        if (result == nullptr)
-            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
-        variable_list out(num_outputs());
-        out[0] = py::reinterpret_steal<py::object>(result).cast<Tensor>();
-        return out;
-    }
+    Call(py::handle plan_, int64_t number_) : plan(plan_.inc_ref().ptr()), number(number_) {}
+    Call(const Call &) = delete;
+    Call &operator=(const Call &) = delete;
 
-    std::string
-    name() const override
-    {
-        return "HaloExchangeInPlaceBackward";
-    }
-
-    void
-    release_variables() override
-    {
-        // the plan is kept: a second backward pass (retain_graph) runs the same exchange again
-    }
-
-    ~HaloExchangeInPlaceBackward() override
+    ~Call()
     {
         if (plan != nullptr && Py_IsInitialized()) {
             py::gil_scoped_acquire gil;
             Py_CLEAR(plan);
         }
     }
+
+    // ``function(*first, plan, number)``, with the GIL held: its tensor, or a Python error.
+    Tensor
+    run(PyObject *function, const char *what, py::handle first = py::handle()) const
+    {
+        py::gil_scoped_acquire gil;
+        if (function == nullptr || plan == nullptr)
+            throw std::runtime_error(std::string(what) + ": its backward ran after the interpreter's end");
+        py::object number_ = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
+        if (!number_)
+            throw py::error_already_set();
+        PyObject *result = first ? PyObject_CallFunctionObjArgs(function, first.ptr(), plan, number_.ptr(), nullptr)
+                                 : PyObject_CallFunctionObjArgs(function, plan, number_.ptr(), nullptr);
+        if (result == nullptr)
+            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
+        return py::reinterpret_steal<py::object>(result).cast<Tensor>();
+    }
+
+    // ``plan.fill_adjoint(y, number)``: H* in place on ``y``, with the GIL held.
+    void
+    fill_adjoint(const Tensor &y) const
+    {
+        py::gil_scoped_acquire gil;
+        if (plan == nullptr)
+            throw std::runtime_error("halo_exchange: its backward ran after the interpreter's end");
+        py::object given = py::cast(y);
+        py::object number_ = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
+        if (!number_)
+            throw py::error_already_set();
+        PyObject *result = PyObject_CallMethodObjArgs(plan, fill_adjoint_name, given.ptr(), number_.ptr(), nullptr);
+        if (result == nullptr)
+            throw py::error_already_set();
+        Py_DECREF(result);
+    }
 };
 
-// Whether ``fill_in_place`` may record the exchange of ``object``: a ``torch.Tensor`` or ``Parameter`` (no subclass,
-// whose torch function the Python node serves) of a dtype that carries a gradient (for integers the Python path records
-// no node), no torch.func wrapper (a dead one, left by a finished transform, the Python path unwraps), contiguous, no
-// conjugate or negative view (whose history cannot be rebased onto a node), in grad mode, with no torch.func
-// transform, profiler or anomaly mode to serve (the Python node serves them).  The forward-mode level, torch.compile's
-// tracing and compiled autograd are Python's to check.
+// What an out-of-place exchange's backward owes its peers (``autograd._graph.Duty``): how many backward passes ran
+// its node and were not yet seen by the input's guard, whether it ever ran, and whether the node is still alive.
+struct Duty {
+    std::atomic<int64_t> ran{0};
+    std::atomic<bool> ever_ran{false};
+    std::atomic<bool> alive{true};
+    std::shared_ptr<Call> call;
+
+    explicit Duty(std::shared_ptr<Call> call_) : call(std::move(call_)) {}
+};
+
+struct HaloExchangeBackwardBase : public torch::autograd::Node {
+    std::shared_ptr<Call> call;
+
+    variable_list
+    apply(variable_list &&grads) override
+    {
+        variable_list out(num_outputs());
+        if (lean(grads[0])) {
+            out[0] = copy(grads[0]);
+            call->fill_adjoint(out[0]);
+            return out;
+        }
+        py::gil_scoped_acquire gil;
+        py::object grad = grads[0].defined() ? py::cast(grads[0]) : py::none();
+        out[0] = call->run(adjoint, "halo_exchange", grad);
+        return out;
+    }
+
+    // Whether the adjoint of ``grad`` is the plan's pass alone, on its copy (``Plan.fill_adjoint``): a first-order
+    // backward (grad mode off: no node to record), a plain tensor with no tangent, no conjugate or negative view, no
+    // torch.func transform or profiler to serve.  Else the Python adjoint, as the Python node's backward.
+    static bool
+    lean(const Tensor &grad)
+    {
+        if (!grad.defined() || at::GradMode::is_enabled() || torch::profiler::impl::profilerEnabled())
+            return false;
+        const auto keys = grad.key_set();
+        const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+        return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
+               !keys.has(c10::DispatchKey::FuncTorchBatched) &&
+               !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+               !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !grad.is_conj() && !grad.is_neg() &&
+               !grad._fw_grad(0).defined();
+    }
+
+    // the plan is kept on release_variables (the base's): a second backward pass (retain_graph) runs it again
+};
+
+struct HaloExchangeInPlaceBackward : public HaloExchangeBackwardBase {
+    std::string
+    name() const override
+    {
+        return "HaloExchangeInPlaceBackward";
+    }
+};
+
+struct HaloExchangeBackward : public HaloExchangeBackwardBase {
+    std::shared_ptr<Duty> duty; // none where the input needs no gradient
+
+    variable_list
+    apply(variable_list &&grads) override
+    {
+        if (duty) {
+            duty->ran += 1; // this pass ran the node: the input's guard lets the gradient through as it is
+            duty->ever_ran = true;
+        }
+        return HaloExchangeBackwardBase::apply(std::move(grads));
+    }
+
+    std::string
+    name() const override
+    {
+        return "HaloExchangeBackward";
+    }
+
+    ~HaloExchangeBackward() override
+    {
+        if (duty)
+            duty->alive = false;
+    }
+};
+
+// The guard on one tensor's gradient (``autograd._graph.guard``): one per tensor, holding the duties of every exchange
+// of it whose node may still be owed, in the order they were made.  On each backward pass that reaches the tensor, a
+// duty whose node ran in this pass is let through; one whose node, freed, ran once is dropped; any other (its node
+// dropped before it ran, or alive and not reached by this pass) runs its exchange's backward with zero output
+// gradients, and what it receives is added into the tensor's gradient.  A freed node's substitute runs once.
+struct Guard {
+    std::mutex lock;
+    std::vector<std::shared_ptr<Duty>> duties;
+    size_t sweep_at = 8; // the count of duties at which ``add`` drops the settled ones: amortized, a constant a call
+
+    explicit Guard(std::shared_ptr<Duty> duty) : duties{std::move(duty)} {}
+
+    void
+    add(std::shared_ptr<Duty> duty)
+    {
+        std::lock_guard<std::mutex> held(lock);
+        if (duties.size() >= sweep_at) {
+            drop_settled();
+            sweep_at = 2 * duties.size() + 8;
+        }
+        duties.push_back(std::move(duty));
+    }
+
+    void
+    drop_settled() // under ``lock``: the duties whose node ran and is gone owe nothing more
+    {
+        duties.erase(std::remove_if(duties.begin(), duties.end(),
+                                    [](const std::shared_ptr<Duty> &d) { return d->ever_ran && !d->alive; }),
+                     duties.end());
+    }
+
+    // The tensor's gradient in this pass, with what the substitutes owed receive added; ``settled``: no duty is left.
+    Tensor
+    pass(const Tensor &grad, bool &settled)
+    {
+        std::vector<std::shared_ptr<Duty>> owed;
+        {
+            std::lock_guard<std::mutex> held(lock);
+            drop_settled();
+            for (auto it = duties.begin(); it != duties.end();) {
+                Duty &d = **it;
+                if (d.ran > 0) {
+                    d.ran -= 1; // its node ran in this pass
+                    ++it;
+                    continue;
+                }
+                owed.push_back(*it);
+                it = d.alive ? it + 1 : duties.erase(it); // a freed node's gradient is received once
+            }
+            settled = duties.empty();
+        }
+        Tensor out = grad;
+        for (const auto &d : owed) {
+            Tensor received = d->call->run(substitute, "halo_exchange");
+            out = out.defined() ? out.add(received) : received;
+        }
+        return out;
+    }
+};
+
+// A non-leaf's guard: a hook of its node, at the tensor's place among that node's inputs.
+struct GuardHook : public torch::autograd::FunctionPreHook {
+    const size_t index;
+    Guard guard;
+
+    GuardHook(size_t index_, std::shared_ptr<Duty> duty) : index(index_), guard(std::move(duty)) {}
+
+    variable_list
+    operator()(const variable_list &grads) override
+    {
+        if (index >= grads.size())
+            return grads;
+        bool settled = false;
+        variable_list out = grads;
+        out[index] = guard.pass(grads[index], settled);
+        return out;
+    }
+};
+
+static PyObject *leaf_key = nullptr;     // "tensorplay_p2p.guard"; held for good
+static PyObject *ordered_dict = nullptr; // collections.OrderedDict, as torch's own hook dicts; held for good
+
+// A leaf's guard: a hook in its Python hook dict (``_backward_hooks``, under ``leaf_key``), which torch's own hook
+// of the leaf runs with the program's hooks, in their order.  The leaf's one C++ hook is that dict's: torch replaces
+// it when the dict is set, so a guard of its own would be lost.  It takes itself out of the dict once settled.  The
+// hook is a builtin function (``leaf_hook``) whose ``self`` is a capsule holding it: cheaper to make and to call than
+// a class's instance.
+struct LeafGuard {
+    Guard guard;
+    PyObject *hooks = nullptr; // owned: a weak reference to the dict that holds it
+
+    explicit LeafGuard(std::shared_ptr<Duty> duty) : guard(std::move(duty)) {}
+    LeafGuard(const LeafGuard &) = delete;
+    LeafGuard &operator=(const LeafGuard &) = delete;
+    ~LeafGuard() { Py_XDECREF(hooks); } // with the GIL: the capsule's destructor runs under it
+};
+
+static const char *const LEAF_CAPSULE = "tensorplay_p2p.LeafGuard";
+
+static void
+free_leaf_guard(PyObject *capsule)
+{
+    delete static_cast<LeafGuard *>(PyCapsule_GetPointer(capsule, LEAF_CAPSULE));
+}
+
+static PyObject *
+leaf_hook(PyObject *capsule, PyObject *grad)
+{
+    HANDLE_TH_ERRORS
+    auto *leaf = static_cast<LeafGuard *>(PyCapsule_GetPointer(capsule, LEAF_CAPSULE));
+    if (leaf == nullptr)
+        return nullptr;
+    const Tensor given = THPVariable_Check(grad) ? THPVariable_Unpack(grad) : Tensor();
+    bool settled = false;
+    Tensor out = leaf->guard.pass(given, settled);
+    if (settled && leaf->hooks != nullptr) {
+        PyObject *dict = PyWeakref_GetObject(leaf->hooks); // borrowed
+        if (dict != nullptr && dict != Py_None && PyObject_DelItem(dict, leaf_key) != 0)
+            PyErr_Clear(); // taken out already
+    }
+    if (out.is_same(given))
+        Py_RETURN_NONE;
+    return THPVariable_Wrap(std::move(out));
+    END_HANDLE_TH_ERRORS
+}
+
+static PyMethodDef leaf_hook_def = {"tensorplay_p2p_guard", leaf_hook, METH_O,
+                                    "The halo exchanges' guard on this leaf (autograd._graph.guard)."};
+
+// The leaf guard that ``hook`` (a value of a leaf's hook dict) is, or none.
+static LeafGuard *
+leaf_guard(PyObject *hook)
+{
+    if (hook == nullptr || !PyCFunction_Check(hook) || PyCFunction_GET_FUNCTION(hook) != leaf_hook)
+        return nullptr;
+    return static_cast<LeafGuard *>(PyCapsule_GetPointer(PyCFunction_GET_SELF(hook), LEAF_CAPSULE));
+}
+
+// How many duties the leaf guard ``hook`` holds that may still be owed (the tests' view).
+static size_t
+owed(py::handle hook)
+{
+    LeafGuard *leaf = leaf_guard(hook.ptr());
+    if (leaf == nullptr)
+        throw py::type_error("owed: not a leaf guard of the halo exchange");
+    std::lock_guard<std::mutex> held(leaf->guard.lock);
+    leaf->guard.drop_settled();
+    return leaf->guard.duties.size();
+}
+
+// Put ``duty`` in ``x``'s guard, made at its first exchange.
+static void
+guard(py::handle object, const Tensor &x, std::shared_ptr<Duty> duty)
+{
+    const auto node = x.grad_fn();
+    if (node) {
+        const size_t index = x.output_nr();
+        for (auto &hook : node->tensor_pre_hooks()) {
+            auto *existing = dynamic_cast<GuardHook *>(hook.get());
+            if (existing != nullptr && existing->index == index) {
+                existing->guard.add(std::move(duty));
+                return;
+            }
+        }
+        node->add_tensor_pre_hook(std::make_unique<GuardHook>(index, std::move(duty)));
+        return;
+    }
+    py::object hooks = object.attr("_backward_hooks");
+    if (hooks.is_none()) {
+        hooks = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ordered_dict));
+        if (!hooks)
+            throw py::error_already_set();
+        object.attr("_backward_hooks") = hooks; // torch's setter makes the dict the leaf's hook
+    }
+    if (!PyDict_Check(hooks.ptr()))
+        throw py::type_error("halo_exchange: the tensor's _backward_hooks is not a dict");
+    PyObject *existing =
+        PyDict_GetItemWithError(hooks.ptr(), leaf_key); // borrowed; read as a dict, written as its type
+    if (LeafGuard *leaf = leaf_guard(existing)) {
+        leaf->guard.add(std::move(duty));
+        return;
+    }
+    if (PyErr_Occurred())
+        throw py::error_already_set();
+    auto made = std::make_unique<LeafGuard>(std::move(duty));
+    made->hooks = PyWeakref_NewRef(hooks.ptr(), nullptr);
+    if (made->hooks == nullptr)
+        throw py::error_already_set();
+    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(made.get(), LEAF_CAPSULE, free_leaf_guard));
+    if (!capsule)
+        throw py::error_already_set();
+    made.release(); // the capsule's now
+    py::object hook = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_hook_def, capsule.ptr()));
+    if (!hook || PyObject_SetItem(hooks.ptr(), leaf_key, hook.ptr()) != 0) // an OrderedDict's own order too
+        throw py::error_already_set();
+}
+
+// Whether ``fill_in_place`` and ``fill_out_of_place`` may record the exchange of ``object``: a ``torch.Tensor`` or
+// ``Parameter`` (no subclass, whose torch function the Python node serves) of a dtype that carries a gradient (for
+// integers the Python path records no node), no torch.func wrapper (a dead one, left by a finished transform, the
+// Python path unwraps), contiguous, no conjugate or negative view (whose history cannot be rebased onto a node), in
+// grad mode, with no torch.func transform, profiler or anomaly mode to serve (the Python node serves them).  The
+// forward-mode level, torch.compile's tracing and compiled autograd are Python's to check.
 static bool
 recordable(py::handle object)
 {
@@ -107,26 +424,55 @@ fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
     auto edges = torch::autograd::collect_next_edges(x, anchor);
     torch::autograd::increment_version(x);
     auto node = c10::make_intrusive<HaloExchangeInPlaceBackward>();
-    node->plan = plan.inc_ref().ptr();
-    node->call = call;
+    node->call = std::make_shared<Call>(plan, call);
     node->set_next_edges(std::move(edges));
     torch::autograd::rebase_history(x, node);
     return x;
 }
 
-static void
-set_adjoint(py::object function)
+// Record ``halo_exchange``'s exchange of ``x`` into ``y`` (``copy(x)``, filled) in autograd: ``y``'s history becomes
+// the node, whose inputs are ``x``'s history and ``anchor``; where ``x`` requires a gradient, its guard holds the
+// node's duty.
+static Tensor
+fill_out_of_place(py::handle object, const Tensor &y, const Tensor &anchor, py::handle plan, int64_t call)
 {
-    PyObject *old = adjoint;
-    adjoint = function.inc_ref().ptr();
-    Py_XDECREF(old);
+    if (!THPVariable_Check(object.ptr()))
+        throw py::type_error("fill_out_of_place: x is not a tensor");
+    const Tensor &x = THPVariable_Unpack(object.ptr());
+    auto node = c10::make_intrusive<HaloExchangeBackward>();
+    node->call = std::make_shared<Call>(plan, call);
+    node->set_next_edges(torch::autograd::collect_next_edges(x, anchor));
+    torch::autograd::set_history(y, node);
+    if (x.requires_grad()) {
+        node->duty = std::make_shared<Duty>(node->call);
+        guard(object, x, node->duty);
+    }
+    return y;
+}
+
+static void
+set_functions(py::object adjoint_, py::object substitute_)
+{
+    PyObject *old_adjoint = adjoint, *old_substitute = substitute;
+    adjoint = adjoint_.inc_ref().ptr();
+    substitute = substitute_.inc_ref().ptr();
+    Py_XDECREF(old_adjoint);
+    Py_XDECREF(old_substitute);
 }
 
 // The contract with ``autograd._native``: it loads a build whose ``CONTRACT`` is the one it expects, or none.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.attr("CONTRACT") = 1;
+    m.attr("CONTRACT") = 2;
     m.def("recordable", &recordable);
     m.def("fill_in_place", &fill_in_place);
-    m.def("set_adjoint", &set_adjoint);
+    m.def("copy", &copy);
+    m.def("fill_out_of_place", &fill_out_of_place);
+    m.def("set_functions", &set_functions);
+    m.def("owed", &owed);
+    ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
+    leaf_key = PyUnicode_InternFromString("tensorplay_p2p.guard");
+    fill_adjoint_name = PyUnicode_InternFromString("fill_adjoint");
+    if (leaf_key == nullptr || fill_adjoint_name == nullptr)
+        throw py::error_already_set();
 }

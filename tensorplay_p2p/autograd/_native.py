@@ -1,9 +1,9 @@
 """The native autograd nodes: ``_native.cpp``, built against the installed torch, loaded where built.
 
 A ``torch.autograd.Function`` costs about 3 us a call in Python; a node wired in C++ as torch wires its own ops'
-costs about 1 us (``python -m tensorplay_p2p.bench.frameworks --nodes``).  The package's in-place halo exchange
-records such a node where this module loaded one (``nodes``), and its Python ``Function`` elsewhere; both run the
-same passes and the same adjoint, so results and gradients are the same bit for bit.
+costs about 1 us (``python -m tensorplay_p2p.bench.frameworks --nodes``).  The package's halo exchanges, in place
+and out of place, record such a node where this module loaded one (``nodes``), and their Python ``Function``
+elsewhere; both run the same passes and the same adjoint, so results and gradients are the same bit for bit.
 
 The install cannot build it: pip builds the package without torch (which is optional), and a C++ extension is tied
 to the torch it was built against.  ``tensorplay-p2p build-nodes`` (``build``) builds it with torch's
@@ -38,11 +38,11 @@ from .._src.settings import env_flag
 __all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
-CONTRACT = 1  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
+CONTRACT = 2  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
 SOURCE = Path(__file__).with_name("_native.cpp")
 FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
 
-nodes: Any = None  # the loaded module (``fill_in_place``), or None: the Python nodes run
+nodes: Any = None  # the loaded module (``fill_in_place``, ``fill_out_of_place``), or None: the Python nodes run
 reason = "not loaded yet"
 
 
@@ -70,15 +70,16 @@ def library() -> Path:
     return cache() / f"{_name()}.so"
 
 
-def load(adjoint: Callable[[Any, Any, int], Any]) -> Any:
-    """Load the build for this torch, if there is one and the engine may be compiled, and give it ``adjoint`` (the
-    Python function its nodes' backward calls); sets ``nodes`` and ``reason``, and returns ``nodes``."""
+def load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, int], Any]) -> Any:
+    """Load the build for this torch, if there is one and the engine may be compiled, and give it the Python functions
+    its nodes' backward calls (``adjoint``) and its guards call in a backward pass that skips a node (``substitute``);
+    sets ``nodes`` and ``reason``, and returns ``nodes``."""
     global nodes, reason
-    nodes, reason = _load(adjoint)
+    nodes, reason = _load(adjoint, substitute)
     return nodes
 
 
-def _load(adjoint: Callable[[Any, Any, int], Any]) -> tuple[Any, str]:
+def _load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, int], Any]) -> tuple[Any, str]:
     try:
         if not env_flag(engine.ENV, True):
             return None, f"Python: {engine.ENV}=0 (pure Python)"
@@ -95,7 +96,7 @@ def _load(adjoint: Callable[[Any, Any, int], Any]) -> tuple[Any, str]:
         module = _import(path)
         if getattr(module, "CONTRACT", None) != CONTRACT:
             return None, f"Python: the build at {path} is not of this version of the package (build it again)"
-        module.set_adjoint(adjoint)
+        module.set_functions(adjoint, substitute)
     except Exception as exc:  # whatever a library that is not ours, or broken, raises: never the import's error
         return None, f"Python: the build at {path} does not load ({exc})"
     return module, f"native (C++, built at {path})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from tensorplay_p2p._src import engine, settings
 
 torch = pytest.importorskip("torch")
 from tensorplay_p2p import autograd as ag  # noqa: E402
-from tensorplay_p2p.autograd import _halo  # noqa: E402
+from tensorplay_p2p.autograd import _halo, _native  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -250,14 +251,42 @@ def test_a_profile_names_each_op_with_or_without_grad_mode() -> None:
     assert names.count("_AllReduceEager") == 1, names
 
 
-def test_the_guard_shares_a_tensor_s_hooks_with_the_program_s(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The guard a dropped result leaves sits in the input's hook dict beside hooks the program registered before
-    and after it, on a leaf and on a non-leaf: every hook runs, the program's handles still remove theirs, and the
-    guard goes once it ran its substitute."""
-    cart = _cart((0,), True)
+@pytest.fixture
+def substitutes() -> Iterator[list[int]]:
+    """The call numbers of the substitutes the guards run, in their order: the Python node's guard and the native
+    node's (which calls the function given to the native module) alike."""
     ran: list[int] = []
     substitute = _halo._substitute
-    monkeypatch.setattr(_halo, "_substitute", lambda plan, call: ran.append(call) or substitute(plan, call))
+
+    def counted(plan: _halo.Plan, call: int) -> torch.Tensor:
+        ran.append(call)
+        return substitute(plan, call)
+
+    _halo._substitute = counted  # what the Python guard calls
+    if _native.nodes is not None:
+        _native.nodes.set_functions(_halo.adjoint, counted)
+    try:
+        yield ran
+    finally:
+        _halo._substitute = substitute
+        if _native.nodes is not None:
+            _native.nodes.set_functions(_halo.adjoint, substitute)
+
+
+@pytest.mark.parametrize("node", ["native", "python"])
+def test_the_guard_shares_a_tensor_s_hooks_with_the_program_s(
+    node: str, substitutes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard a dropped result leaves on its input runs beside hooks the program registered before and after it,
+    on a leaf and on a non-leaf: every hook runs, the program's handles still remove theirs, and the guard goes once
+    it ran its substitute (a second backward pass runs none).  The Python node's guard sits in the input's hook dict;
+    the native node's is a hook of its own."""
+    if node == "native" and _native.nodes is None:
+        pytest.skip(f"the native autograd nodes are not loaded: {_native.reason}")
+    if node == "python":
+        monkeypatch.setattr(_native, "nodes", None)
+    cart = _cart((0,), True)
+    ran = substitutes
     leaf = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
     seen: list[str] = []
     for x in (leaf, leaf * 2.0):
@@ -267,12 +296,13 @@ def test_the_guard_shares_a_tensor_s_hooks_with_the_program_s(monkeypatch: pytes
         after = x.register_hook(lambda g: seen.append("after"))
         removed = x.register_hook(lambda g: seen.append("removed"))
         removed.remove()
-        assert len(x._backward_hooks) == 3
-        leaf.grad = None
-        (x * 3.0).sum().backward()
-        assert seen == ["before", "after"] and len(ran) == 1
-        assert torch.equal(leaf.grad, torch.full((4, 2), 3.0 if x is leaf else 6.0, dtype=torch.float64))
-        assert len(x._backward_hooks) == 2  # the guard ran its substitute for a freed node: it is gone
+        assert len(x._backward_hooks) == (3 if node == "python" or x is leaf else 2)  # a leaf's native guard too
+        for again in (False, True):
+            leaf.grad = None
+            (x * 3.0).sum().backward(retain_graph=not again)
+            assert seen == ["before", "after"] * (1 + again) and len(ran) == 1
+            assert torch.equal(leaf.grad, torch.full((4, 2), 3.0 if x is leaf else 6.0, dtype=torch.float64))
+        assert len(x._backward_hooks) == 2  # the Python guard ran its substitute for a freed node: it is gone
         before.remove()
         after.remove()
         assert len(x._backward_hooks) == 0
@@ -392,7 +422,8 @@ def test_memory_and_hooks_stay_flat_over_many_steps() -> None:
     grown = resident_kib() - before
     plan = _halo.plan_for(x, cart, 1, True, "test")
     assert plan.message_sets() <= 2 * _halo.SLOTS
-    assert len(x._backward_hooks or {}) == 0  # each step's guard went with its graph
+    # each step's guard went with its graph: the Python node's hook, or what the native node's leaf guard holds
+    assert all(_native.nodes.owed(hook) == 0 for hook in (x._backward_hooks or {}).values())
     assert grown < 4096, f"resident memory grew {grown} KiB over 1,800 steps"
 
 
@@ -511,16 +542,12 @@ def test_a_split_exchange_is_in_flight_until_it_is_waited_for() -> None:
     assert not any(exchange.active for exchange in exchanges)
 
 
-def test_exchanges_dropped_on_one_tensor_each_run_their_adjoint_at_its_next_backward(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_exchanges_dropped_on_one_tensor_each_run_their_adjoint_at_its_next_backward(substitutes: list[int]) -> None:
     """Forwards on one leaf whose outputs are dropped keep a hook each; the next backward that reaches the leaf runs
     each one's adjoint once, in the order they were called (alike on every member), and then none is left."""
     cart = _cart((0,), (True,))
     theta = torch.ones(4, 2, dtype=torch.float64, requires_grad=True)
-    ran: list[int] = []
-    substitute = _halo._substitute
-    monkeypatch.setattr(_halo, "_substitute", lambda plan, call: ran.append(call) or substitute(plan, call))
+    ran = substitutes
     for _ in range(3):
         ag.halo_exchange(theta, cart)
     ag.halo_exchange(theta, cart).sum().backward()

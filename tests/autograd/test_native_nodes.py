@@ -33,6 +33,11 @@ pytestmark = [
 
 NATIVE = "HaloExchangeInPlaceBackward"
 PYTHON = "_FillInPlaceEagerBackward"
+NAMES = {  # each form's (native node, Python node)
+    "in place": (NATIVE, PYTHON),
+    "out of place": ("HaloExchangeBackward", "_FillEagerBackward"),
+}
+EXCHANGES = {"in place": ag.halo_exchange_, "out of place": ag.halo_exchange}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 # (grid dims, periods, halo, corners)
 GRIDS = [
@@ -89,15 +94,18 @@ def test_the_nodes_are_loaded_where_expected_and_say_why_not_elsewhere() -> None
     assert _native.nodes.CONTRACT == _native.CONTRACT
 
 
+@pytest.mark.parametrize("form", NAMES)
 @pytest.mark.parametrize("grid", GRIDS, ids=["1d", "2d", "3d"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_native_and_the_python_node_agree(
-    grid: tuple[object, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    form: str, grid: tuple[object, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The forward, the gradients of two backward passes over one graph (``retain_graph``; rank 0's block requires no
     gradient of its own: mixed ``requires_grad``) and the second order (``create_graph``: the adjoint of the
-    adjoint) are the Python node's, bit for bit."""
+    adjoint) are the Python node's, bit for bit, in place and out of place (there through a non-leaf, then a leaf,
+    whose guards the native node keeps in C++ and in the leaf's hook dict)."""
     _built()
+    exchange = EXCHANGES[form]
     dims, periods, halo, corners = grid
     cart = dist.new_cart_group(dims, periods)
     shape = _shape(cart, halo)
@@ -108,13 +116,13 @@ def test_the_native_and_the_python_node_agree(
     def run() -> tuple[str, list[torch.Tensor]]:
         leaf = x.clone().requires_grad_(RANK != 0)
         w = leaf * 2  # on rank 0, a tensor that requires no gradient: the anchor makes its node all the same
-        y = ag.halo_exchange_(w, cart, halo, corners)
+        y = exchange(w, cart, halo, corners)
         name, out = y.grad_fn.name(), [y.detach().clone()]
         for _ in range(2):  # two backward passes over one graph
             torch.autograd.backward(y, v, retain_graph=True)
             out.append(leaf.grad.clone() if leaf.grad is not None else torch.zeros(()))
         leaf = x.clone().requires_grad_(True)
-        y = ag.halo_exchange_(leaf * 1, cart, halo, corners)
+        y = exchange(leaf * 1 if form == "in place" else leaf, cart, halo, corners)
         cotangent = v.clone().requires_grad_(True)
         (g,) = torch.autograd.grad(y, leaf, cotangent, create_graph=True)
         (gg,) = torch.autograd.grad(g, cotangent, u)  # the adjoint's adjoint: the exchange again
@@ -124,11 +132,79 @@ def test_the_native_and_the_python_node_agree(
     taken, handed = (a - b for a, b in zip(engine.counts().get("HaloPass", (0, 0)), before, strict=True))
     with _python_nodes(monkeypatch):
         python_name, python = run()
-    assert (native_name, python_name) == (NATIVE, PYTHON)
-    if engine.accel is not None and not settings.state.checked:  # the exchanges in place: Plan.fill's compiled pass
+    assert (native_name, python_name) == NAMES[form]
+    if engine.accel is not None and not settings.state.checked:  # the exchanges: Plan.fill's compiled pass
         assert taken >= 2 and handed == 0
     for a, b in zip(native, python, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("leafy", [True, False], ids=["leaf", "non-leaf"])
+def test_the_native_guard_runs_what_a_backward_pass_skips_as_the_python_guard(
+    leafy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of place, the guard on the input runs the exchange's backward where a pass reaches the input but not the
+    node: a second pass over a kept graph that ignores the result (each such pass), and the first pass after the
+    result was dropped (once); a pass that runs the node goes through as it is.  The gradients are the Python
+    guard's, bit for bit, and on rank 0 of several the Python node records the exchange while its peers record the
+    native one: the same messages."""
+    _built()
+    cart = dist.new_cart_group((0, 0), True)
+    x, v, u = (_field((5, 6), torch.float64, seed) for seed in range(3))
+
+    def run() -> list[torch.Tensor]:
+        leaf = x.clone().requires_grad_(True)
+        t = leaf if leafy else leaf * 1
+        y = ag.halo_exchange(t, cart, 1, True)
+        grads = []
+        for loss in ((y * v).sum() + (t * u).sum(), (t * u).sum(), (y * v).sum()):
+            (g,) = torch.autograd.grad(loss, leaf, retain_graph=True)  # the graph of y is kept: alive, not reached
+            grads.append(g)
+        del y  # dropped: the next pass that reaches t runs its backward once
+        grads += [torch.autograd.grad((t * u).sum(), leaf, retain_graph=True)[0] for _ in range(2)]
+        return grads
+
+    with monkeypatch.context() as patch:
+        if RANK == 0 and SIZE > 1:
+            patch.setattr(_native, "nodes", None)
+        native = run()
+    with _python_nodes(monkeypatch):
+        python = run()
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(native[1], native[3]) and torch.equal(native[4], (u * 1).detach())
+
+
+@pytest.mark.parametrize("form", NAMES)
+def test_a_gradient_with_a_tangent_gets_the_python_adjoint(form: str) -> None:
+    """Forward over reverse on a graph the native node recorded: a cotangent that carries a tangent runs the Python
+    adjoint (whose forward-mode rule carries it: H* of the tangent), not the lean pass, which would drop it."""
+    _built()
+    import torch.autograd.forward_ad as fwad
+
+    cart = dist.new_cart_group((0,), True)
+    exchange = EXCHANGES[form]
+    x = _field((6, 2), torch.float64, 1).requires_grad_(True)
+    v, t = _field((6, 2), torch.float64, 2), _field((6, 2), torch.float64, 3)
+    y = exchange(x * 1, cart, 1)
+    assert y.grad_fn.name() == NAMES[form][0]
+    with fwad.dual_level():
+        (g,) = torch.autograd.grad(y, x, fwad.make_dual(v, t))
+        primal, tangent = fwad.unpack_dual(g)
+    for cotangent, got in ((v, primal), (t, tangent)):
+        assert torch.equal(got, torch.autograd.grad(exchange(x * 1, cart, 1), x, cotangent)[0])
+
+
+def test_out_of_place_records_no_guard_where_the_input_needs_no_gradient() -> None:
+    """An input that requires no gradient gets the node (the anchor's), and no guard: its hook dict stays unset."""
+    _built()
+    cart = dist.new_cart_group((0,), True)
+    x = torch.arange(5, dtype=torch.float64) + 10 * RANK
+    y = ag.halo_exchange(x, cart, 1)
+    assert y.grad_fn.name() == NAMES["out of place"][0] and x._backward_hooks is None
+    assert y[0] == 10 * ((RANK - 1) % SIZE) + 3 and y[4] == 10 * ((RANK + 1) % SIZE) + 1
+    with torch.no_grad():  # no node: the Python path, which records none
+        assert ag.halo_exchange(x, cart, 1).grad_fn is None
 
 
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
@@ -284,26 +360,36 @@ def test_compiled_autograd_gets_the_python_node(monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(compiled.grad, leaf.grad)
 
 
-def test_an_error_in_the_backward_reaches_its_caller(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Python adjoint's exception comes out of ``backward`` with its type and message."""
+@pytest.mark.parametrize("form", NAMES)
+def test_an_error_in_the_backward_reaches_its_caller(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception of the adjoint comes out of ``backward`` with its type and message: of the plan's pass, which a
+    first-order backward runs from C++ (``Plan.fill_adjoint``), and of the Python adjoint, which a backward that
+    records a graph (``create_graph``) runs."""
     _built()
     cart = dist.new_cart_group((0,), True)
+    exchange = EXCHANGES[form]
 
-    def refuse(grad: object, plan: object, call: int) -> None:
-        raise ValueError(f"adjoint of call {call} refused")
+    def refuse(*args: object) -> None:
+        raise ValueError(f"adjoint of call {args[-1]} refused")
 
-    y = ag.halo_exchange_(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1)
-    _native.nodes.set_adjoint(refuse)
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(_halo.Plan, "fill_adjoint", lambda plan, y, call: refuse(call))
+        y = exchange(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1)
         with pytest.raises(ValueError, match=r"adjoint of call [0-9]+ refused"):
             y.sum().backward()
+    y = exchange(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1)
+    _native.nodes.set_functions(refuse, _halo._substitute)
+    try:
+        with pytest.raises(ValueError, match=r"adjoint of call [0-9]+ refused"):
+            y.sum().backward(create_graph=True)
     finally:
-        _native.nodes.set_adjoint(_halo.adjoint)
-    ag.halo_exchange_(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1).sum().backward()
+        _native.nodes.set_functions(_halo.adjoint, _halo._substitute)
+    exchange(torch.zeros(5, dtype=torch.float64, requires_grad=True) * 1, cart, 1).sum().backward()
 
 
 def test_a_freed_node_gives_its_plan_back() -> None:
-    """The node holds its plan while it lives, and no longer: references stay flat over many graphs."""
+    """A node holds its plan while it lives, and no longer: references stay flat over many graphs, in place and out
+    of place (whose guard on a long-lived leaf holds the duties it may still owe, and drops the settled ones)."""
     _built()
     cart = dist.new_cart_group((0, 0), True)
     x = torch.zeros(6, 5, dtype=torch.float64)
@@ -313,9 +399,13 @@ def test_a_freed_node_gives_its_plan_back() -> None:
     del y
     gc.collect()
     assert sys.getrefcount(plan) == held - 1
+    leaf = x.clone().requires_grad_(True)
     for _ in range(200):
         ag.halo_exchange_(x.detach(), cart, 1, True).sum().backward()
+        ag.halo_exchange(leaf, cart, 1, True).sum().backward()
+        ag.halo_exchange(leaf * 1, cart, 1, True).sum().backward()
     gc.collect()
+    assert all(_native.nodes.owed(guard) == 0 for guard in leaf._backward_hooks.values())  # its nodes ran, gone
     assert sys.getrefcount(plan) == held - 1
 
 
@@ -332,10 +422,10 @@ def test_loading_never_raises_and_says_why(tmp_path: Path, monkeypatch: pytest.M
         monkeypatch.setenv(engine.ENV, "1")
         monkeypatch.setattr(_native, "_name", lambda: "tensorplay_p2p_native_test")  # none loaded by that name
         assert _native.library() == tmp_path / "tensorplay_p2p_native_test.so"
-        assert _native.load(_halo.adjoint) is None and "not built" in _native.reason
+        assert _native.load(_halo.adjoint, _halo._substitute) is None and "not built" in _native.reason
         _native.library().write_bytes(b"not a library")
-        assert _native.load(_halo.adjoint) is None and "does not load" in _native.reason
+        assert _native.load(_halo.adjoint, _halo._substitute) is None and "does not load" in _native.reason
         monkeypatch.setenv(engine.ENV, "0")
-        assert _native.load(_halo.adjoint) is None and f"{engine.ENV}=0" in _native.reason
+        assert _native.load(_halo.adjoint, _halo._substitute) is None and f"{engine.ENV}=0" in _native.reason
     finally:
         _native.nodes, _native.reason = saved
