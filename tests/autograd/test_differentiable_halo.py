@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -249,28 +248,6 @@ def test_a_profile_names_each_op_with_or_without_grad_mode() -> None:
     names = [e.name for e in profile.function_events]
     assert names.count("_FillEager") == 1 and names.count("_AddBackEager") == 1, names
     assert names.count("_AllReduceEager") == 1, names
-
-
-@pytest.fixture
-def substitutes() -> Iterator[list[int]]:
-    """The call numbers of the substitutes the guards run, in their order: the Python node's guard and the native
-    node's (which calls the function given to the native module) alike."""
-    ran: list[int] = []
-    substitute = _halo._substitute
-
-    def counted(plan: _halo.Plan, call: int) -> torch.Tensor:
-        ran.append(call)
-        return substitute(plan, call)
-
-    _halo._substitute = counted  # what the Python guard calls
-    if _native.nodes is not None:
-        _native.nodes.set_functions(_halo.adjoint, counted)
-    try:
-        yield ran
-    finally:
-        _halo._substitute = substitute
-        if _native.nodes is not None:
-            _native.nodes.set_functions(_halo.adjoint, substitute)
 
 
 @pytest.mark.parametrize("node", ["native", "python"])

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +62,19 @@ def _python_nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with monkeypatch.context() as patch:
         patch.setattr(_native, "nodes", None)
         yield
+
+
+def _native_then_python(run: Callable[[], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` with the native nodes (on rank 0 of several, the Python nodes, while its peers record the native
+    ones: the same messages), then with the Python nodes everywhere: the same tensors, bit for bit."""
+    with monkeypatch.context() as patch:
+        if RANK == 0 and SIZE > 1:
+            patch.setattr(_native, "nodes", None)
+        native = run()
+    with _python_nodes(monkeypatch):
+        python = run()
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
 
 
 def _field(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -141,11 +154,12 @@ def test_the_native_and_the_python_node_agree(
 
 @pytest.mark.parametrize("leafy", [True, False], ids=["leaf", "non-leaf"])
 def test_the_native_guard_runs_what_a_backward_pass_skips_as_the_python_guard(
-    leafy: bool, monkeypatch: pytest.MonkeyPatch
+    leafy: bool, substitutes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Out of place, the guard on the input runs the exchange's backward where a pass reaches the input but not the
-    node: a second pass over a kept graph that ignores the result (each such pass), and the first pass after the
-    result was dropped (once); a pass that runs the node goes through as it is.  The gradients are the Python
+    node: a pass over a kept graph that ignores the result (each such pass), and the first pass after a result was
+    dropped before it ran (once); a pass that runs the node goes through as it is, and a node that ran and was freed
+    owes nothing more.  The gradients are the Python
     guard's, bit for bit, and on rank 0 of several the Python node records the exchange while its peers record the
     native one: the same messages."""
     _built()
@@ -160,19 +174,14 @@ def test_the_native_guard_runs_what_a_backward_pass_skips_as_the_python_guard(
         for loss in ((y * v).sum() + (t * u).sum(), (t * u).sum(), (y * v).sum()):
             (g,) = torch.autograd.grad(loss, leaf, retain_graph=True)  # the graph of y is kept: alive, not reached
             grads.append(g)
-        del y  # dropped: the next pass that reaches t runs its backward once
+        del y, loss  # it ran, and is freed: nothing more is owed
+        ag.halo_exchange(t, cart, 1, True)  # dropped before any backward: the next pass that reaches t runs it, once
         grads += [torch.autograd.grad((t * u).sum(), leaf, retain_graph=True)[0] for _ in range(2)]
         return grads
 
-    with monkeypatch.context() as patch:
-        if RANK == 0 and SIZE > 1:
-            patch.setattr(_native, "nodes", None)
-        native = run()
-    with _python_nodes(monkeypatch):
-        python = run()
-    for a, b in zip(native, python, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(native[1], native[3]) and torch.equal(native[4], (u * 1).detach())
+    _native_then_python(run, monkeypatch)
+    first = substitutes[0]  # the kept exchange's, at the second pass; the dropped one's, at the fourth; each run
+    assert substitutes == [first, first + 1, first + 2, first + 3]
 
 
 @pytest.mark.parametrize("form", NAMES)
@@ -276,14 +285,7 @@ def test_a_view_s_exchange_rebases_its_base_s_history(view: str, monkeypatch: py
             out += [base.detach(), leaf.grad]
         return out
 
-    with monkeypatch.context() as patch:
-        if RANK == 0 and SIZE > 1:
-            patch.setattr(_native, "nodes", None)
-        native = run()
-    with _python_nodes(monkeypatch):
-        python = run()
-    for a, b in zip(native, python, strict=True):
-        assert torch.equal(a, b)
+    _native_then_python(run, monkeypatch)
 
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
