@@ -27,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -103,14 +104,89 @@ struct Call {
 };
 
 // What an out-of-place exchange's backward owes its peers (``autograd._graph.Duty``): how many backward passes ran
-// its node and were not yet seen by the input's guard, whether it ever ran, and whether the node is still alive.
+// its node and were not yet seen by the input's guard, whether it ever ran, and whether the node is still alive.  It
+// holds its exchange's call weakly while the node lives (a node that ran and is freed owes nothing: its plan goes with
+// it), and strongly once a node that never ran is freed (its backward is still owed).  A duty in a hook dict knows
+// its entry, to take it out.
 struct Duty {
     std::atomic<int64_t> ran{0};
     std::atomic<bool> ever_ran{false};
     std::atomic<bool> alive{true};
-    std::shared_ptr<Call> call;
+    std::mutex lock; // ``kept``'s
+    std::weak_ptr<Call> call;
+    std::shared_ptr<Call> kept;
+    PyObject *hooks = nullptr; // owned: a weak reference to the hook dict it is in, or none (a node's hook)
+    PyObject *key = nullptr;   // owned: its key there
 
-    explicit Duty(std::shared_ptr<Call> call_) : call(std::move(call_)) {}
+    explicit Duty(const std::shared_ptr<Call> &call_) : call(call_) {}
+    Duty(const Duty &) = delete;
+    Duty &operator=(const Duty &) = delete;
+
+    ~Duty()
+    {
+        if ((hooks != nullptr || key != nullptr) && Py_IsInitialized()) {
+            py::gil_scoped_acquire gil;
+            Py_CLEAR(hooks);
+            Py_CLEAR(key);
+        }
+    }
+
+    // Its node has run in this pass and not yet been seen: take it (once).
+    bool
+    take_ran()
+    {
+        int64_t now = ran.load();
+        while (now > 0 && !ran.compare_exchange_weak(now, now - 1)) {
+        }
+        return now > 0;
+    }
+
+    bool
+    settled() const // its node ran and is gone: nothing more is owed
+    {
+        return ever_ran && !alive;
+    }
+
+    // The backward owed, with zero output gradients: what it receives, as the input's gradient.
+    Tensor
+    substitute_owed()
+    {
+        std::shared_ptr<Call> owed;
+        {
+            std::lock_guard<std::mutex> held(lock);
+            owed = kept ? kept : call.lock();
+        }
+        if (!owed)
+            throw std::runtime_error("halo_exchange: the guard owes the backward of an exchange it no longer holds");
+        return owed->run(substitute, "halo_exchange");
+    }
+
+    // Its node is freed (``~HaloExchangeBackward``): keep the call where its backward is still owed.
+    void
+    node_freed(const std::shared_ptr<Call> &node_call)
+    {
+        {
+            std::lock_guard<std::mutex> held(lock);
+            if (!ever_ran)
+                kept = node_call;
+            alive = false;
+        }
+        if (ever_ran)
+            take_out();
+    }
+
+    // Out of its hook dict, if it is in one (with the GIL; whatever error the caller had pending is kept).
+    void
+    take_out()
+    {
+        if (hooks == nullptr || !Py_IsInitialized())
+            return;
+        py::gil_scoped_acquire gil;
+        py::error_scope pending;
+        PyObject *dict = PyWeakref_GetObject(hooks); // borrowed
+        if (dict != nullptr && dict != Py_None && PyObject_DelItem(dict, key) != 0)
+            PyErr_Clear(); // taken out already
+    }
 };
 
 struct HaloExchangeBackwardBase : public torch::autograd::Node {
@@ -166,8 +242,8 @@ struct HaloExchangeBackward : public HaloExchangeBackwardBase {
     apply(variable_list &&grads) override
     {
         if (duty) {
-            duty->ran += 1; // this pass ran the node: the input's guard lets the gradient through as it is
             duty->ever_ran = true;
+            duty->ran += 1; // this pass ran the node: the input's guard lets the gradient through as it is
         }
         return HaloExchangeBackwardBase::apply(std::move(grads));
     }
@@ -181,205 +257,159 @@ struct HaloExchangeBackward : public HaloExchangeBackwardBase {
     ~HaloExchangeBackward() override
     {
         if (duty)
-            duty->alive = false;
+            duty->node_freed(call);
     }
 };
 
-// The guard on one tensor's gradient (``autograd._graph.guard``): one per tensor, holding the duties of every exchange
-// of it whose node may still be owed, in the order they were made.  On each backward pass that reaches the tensor, a
-// duty whose node ran in this pass is let through; one whose node, freed, ran once is dropped; any other (its node
-// dropped before it ran, or alive and not reached by this pass) runs its exchange's backward with zero output
-// gradients, and what it receives is added into the tensor's gradient.  A freed node's substitute runs once.
-struct Guard {
+// The guard on a non-leaf's gradient (``autograd._graph.guard``), where the tensor has no hook dict: a hook of its
+// node, at the tensor's place among that node's inputs, holding the duties of the tensor's exchanges in the order they
+// were made (``guard`` adds to it only while the tensor has no hook dict, so that no hook of the program's comes
+// between them).  On each backward pass that reaches the tensor, a duty whose node ran in this pass is let through;
+// one whose node ran and is gone is dropped; any other (its node dropped before it ran, or alive and not reached by
+// this pass) runs its exchange's backward with zero output gradients, and what it receives is added into the
+// tensor's gradient; a freed node's duty is dropped once its backward ran.  Duties leave under the lock and are
+// freed after it: freeing one may take the GIL.
+struct GuardHook : public torch::autograd::FunctionPreHook {
+    const size_t index;
     std::mutex lock;
     std::vector<std::shared_ptr<Duty>> duties;
     size_t sweep_at = 8; // the count of duties at which ``add`` drops the settled ones: amortized, a constant a call
 
-    explicit Guard(std::shared_ptr<Duty> duty) : duties{std::move(duty)} {}
+    GuardHook(size_t index_, std::shared_ptr<Duty> duty) : index(index_), duties{std::move(duty)} {}
 
     void
     add(std::shared_ptr<Duty> duty)
     {
+        std::vector<std::shared_ptr<Duty>> gone;
         std::lock_guard<std::mutex> held(lock);
         if (duties.size() >= sweep_at) {
-            drop_settled();
+            take_settled(gone);
             sweep_at = 2 * duties.size() + 8;
         }
         duties.push_back(std::move(duty));
     }
 
     void
-    drop_settled() // under ``lock``: the duties whose node ran and is gone owe nothing more
+    take_settled(std::vector<std::shared_ptr<Duty>> &gone) // under ``lock``
     {
-        duties.erase(std::remove_if(duties.begin(), duties.end(),
-                                    [](const std::shared_ptr<Duty> &d) { return d->ever_ran && !d->alive; }),
-                     duties.end());
+        auto settled = std::stable_partition(duties.begin(), duties.end(),
+                                             [](const std::shared_ptr<Duty> &d) { return !d->settled(); });
+        std::move(settled, duties.end(), std::back_inserter(gone));
+        duties.erase(settled, duties.end());
     }
-
-    // The tensor's gradient in this pass, with what the substitutes owed receive added; ``settled``: no duty is left.
-    Tensor
-    pass(const Tensor &grad, bool &settled)
-    {
-        std::vector<std::shared_ptr<Duty>> owed;
-        {
-            std::lock_guard<std::mutex> held(lock);
-            drop_settled();
-            for (auto it = duties.begin(); it != duties.end();) {
-                Duty &d = **it;
-                if (d.ran > 0) {
-                    d.ran -= 1; // its node ran in this pass
-                    ++it;
-                    continue;
-                }
-                owed.push_back(*it);
-                it = d.alive ? it + 1 : duties.erase(it); // a freed node's gradient is received once
-            }
-            settled = duties.empty();
-        }
-        Tensor out = grad;
-        for (const auto &d : owed) {
-            Tensor received = d->call->run(substitute, "halo_exchange");
-            out = out.defined() ? out.add(received) : received;
-        }
-        return out;
-    }
-};
-
-// A non-leaf's guard: a hook of its node, at the tensor's place among that node's inputs.
-struct GuardHook : public torch::autograd::FunctionPreHook {
-    const size_t index;
-    Guard guard;
-
-    GuardHook(size_t index_, std::shared_ptr<Duty> duty) : index(index_), guard(std::move(duty)) {}
 
     variable_list
     operator()(const variable_list &grads) override
     {
         if (index >= grads.size())
             return grads;
-        bool settled = false;
+        std::vector<std::shared_ptr<Duty>> gone, owed;
+        {
+            std::lock_guard<std::mutex> held(lock);
+            take_settled(gone);
+            for (const auto &d : duties)
+                if (!d->take_ran())
+                    owed.push_back(d);
+        }
+        if (owed.empty())
+            return grads;
         variable_list out = grads;
-        out[index] = guard.pass(grads[index], settled);
+        for (const auto &d : owed) {
+            Tensor received = d->substitute_owed(); // an error leaves the duty: the next pass runs it again
+            out[index] = out[index].defined() ? out[index].add(received) : received;
+            if (!d->alive) { // a freed node's backward runs once
+                std::lock_guard<std::mutex> held(lock);
+                duties.erase(std::remove(duties.begin(), duties.end(), d), duties.end());
+            }
+        }
         return out;
     }
 };
 
-static PyObject *leaf_key = nullptr;     // "tensorplay_p2p.guard"; held for good
 static PyObject *ordered_dict = nullptr; // collections.OrderedDict, as torch's own hook dicts; held for good
+static PyObject *new_key = nullptr;      // object: a hook's key in a hook dict, unique, as the Python guard's Duty
 
-// A leaf's guard: a hook in its Python hook dict (``_backward_hooks``, under ``leaf_key``), which torch's own hook
-// of the leaf runs with the program's hooks, in their order.  The leaf's one C++ hook is that dict's: torch replaces
-// it when the dict is set, so a guard of its own would be lost.  It takes itself out of the dict once settled.  The
-// hook is a builtin function (``leaf_hook``) whose ``self`` is a capsule holding it: cheaper to make and to call than
-// a class's instance.
-struct LeafGuard {
-    Guard guard;
-    PyObject *hooks = nullptr; // owned: a weak reference to the dict that holds it
-
-    explicit LeafGuard(std::shared_ptr<Duty> duty) : guard(std::move(duty)) {}
-    LeafGuard(const LeafGuard &) = delete;
-    LeafGuard &operator=(const LeafGuard &) = delete;
-    ~LeafGuard() { Py_XDECREF(hooks); } // with the GIL: the capsule's destructor runs under it
-};
-
-static const char *const LEAF_CAPSULE = "tensorplay_p2p.LeafGuard";
+// The guard of one exchange in a tensor's hook dict (``_backward_hooks``), as the Python guard's hook: torch's hook
+// of the tensor runs it with the program's hooks and the Python guards, in the order they were put there.  A leaf's
+// guard is always there (its one C++ hook is that dict's: torch replaces it when the dict is set, so a guard of its
+// own would be lost), and a non-leaf's where it has a dict.  The hook is a builtin function (``dict_hook``) whose
+// ``self`` is a capsule holding its duty.  It goes when its node, having run, is freed (``Duty::node_freed``), or
+// once it ran the backward of a freed node.
+static const char *const DUTY_CAPSULE = "tensorplay_p2p.Duty";
 
 static void
-free_leaf_guard(PyObject *capsule)
+free_duty_capsule(PyObject *capsule)
 {
-    delete static_cast<LeafGuard *>(PyCapsule_GetPointer(capsule, LEAF_CAPSULE));
+    delete static_cast<std::shared_ptr<Duty> *>(PyCapsule_GetPointer(capsule, DUTY_CAPSULE));
 }
 
 static PyObject *
-leaf_hook(PyObject *capsule, PyObject *grad)
+dict_hook(PyObject *capsule, PyObject *grad)
 {
     HANDLE_TH_ERRORS
-    auto *leaf = static_cast<LeafGuard *>(PyCapsule_GetPointer(capsule, LEAF_CAPSULE));
-    if (leaf == nullptr)
+    auto *held = static_cast<std::shared_ptr<Duty> *>(PyCapsule_GetPointer(capsule, DUTY_CAPSULE));
+    if (held == nullptr)
         return nullptr;
-    const Tensor given = THPVariable_Check(grad) ? THPVariable_Unpack(grad) : Tensor();
-    bool settled = false;
-    Tensor out = leaf->guard.pass(given, settled);
-    if (settled && leaf->hooks != nullptr) {
-        PyObject *dict = PyWeakref_GetObject(leaf->hooks); // borrowed
-        if (dict != nullptr && dict != Py_None && PyObject_DelItem(dict, leaf_key) != 0)
-            PyErr_Clear(); // taken out already
-    }
-    if (out.is_same(given))
+    const std::shared_ptr<Duty> duty = *held; // alive through the call, whoever takes the hook out
+    if (duty->take_ran())
         Py_RETURN_NONE;
-    return THPVariable_Wrap(std::move(out));
+    if (duty->settled()) {
+        duty->take_out();
+        Py_RETURN_NONE;
+    }
+    Tensor received = duty->substitute_owed();
+    if (!duty->alive)
+        duty->take_out(); // a freed node's backward runs once
+    if (!THPVariable_Check(grad))
+        return THPVariable_Wrap(std::move(received));
+    return THPVariable_Wrap(THPVariable_Unpack(grad).add(received));
     END_HANDLE_TH_ERRORS
 }
 
-static PyMethodDef leaf_hook_def = {"tensorplay_p2p_guard", leaf_hook, METH_O,
-                                    "The halo exchanges' guard on this leaf (autograd._graph.guard)."};
+static PyMethodDef dict_hook_def = {"tensorplay_p2p_guard", dict_hook, METH_O,
+                                    "The guard of a halo exchange on its input (autograd._graph.guard)."};
 
-// The leaf guard that ``hook`` (a value of a leaf's hook dict) is, or none.
-static LeafGuard *
-leaf_guard(PyObject *hook)
-{
-    if (hook == nullptr || !PyCFunction_Check(hook) || PyCFunction_GET_FUNCTION(hook) != leaf_hook)
-        return nullptr;
-    return static_cast<LeafGuard *>(PyCapsule_GetPointer(PyCFunction_GET_SELF(hook), LEAF_CAPSULE));
-}
-
-// How many duties the leaf guard ``hook`` holds that may still be owed (the tests' view).
-static size_t
-owed(py::handle hook)
-{
-    LeafGuard *leaf = leaf_guard(hook.ptr());
-    if (leaf == nullptr)
-        throw py::type_error("owed: not a leaf guard of the halo exchange");
-    std::lock_guard<std::mutex> held(leaf->guard.lock);
-    leaf->guard.drop_settled();
-    return leaf->guard.duties.size();
-}
-
-// Put ``duty`` in ``x``'s guard, made at its first exchange.
+// Put ``duty`` on ``x``, as ``autograd._graph.guard`` puts the Python node's: a non-leaf without a hook dict gets it
+// in its node's hook (one for the tensor, made at its first exchange); otherwise it goes into the tensor's hook
+// dict, made where the leaf has none.
 static void
 guard(py::handle object, const Tensor &x, std::shared_ptr<Duty> duty)
 {
+    py::object hooks = object.attr("_backward_hooks");
     const auto node = x.grad_fn();
-    if (node) {
+    if (node && hooks.is_none()) {
         const size_t index = x.output_nr();
         for (auto &hook : node->tensor_pre_hooks()) {
             auto *existing = dynamic_cast<GuardHook *>(hook.get());
             if (existing != nullptr && existing->index == index) {
-                existing->guard.add(std::move(duty));
+                existing->add(std::move(duty));
                 return;
             }
         }
         node->add_tensor_pre_hook(std::make_unique<GuardHook>(index, std::move(duty)));
         return;
     }
-    py::object hooks = object.attr("_backward_hooks");
-    if (hooks.is_none()) {
+    if (hooks.is_none()) { // a leaf's first hook
         hooks = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ordered_dict));
         if (!hooks)
             throw py::error_already_set();
         object.attr("_backward_hooks") = hooks; // torch's setter makes the dict the leaf's hook
     }
-    if (!PyDict_Check(hooks.ptr()))
-        throw py::type_error("halo_exchange: the tensor's _backward_hooks is not a dict");
-    PyObject *existing =
-        PyDict_GetItemWithError(hooks.ptr(), leaf_key); // borrowed; read as a dict, written as its type
-    if (LeafGuard *leaf = leaf_guard(existing)) {
-        leaf->guard.add(std::move(duty));
-        return;
+    py::object key = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(new_key));
+    py::object dict = py::reinterpret_steal<py::object>(PyWeakref_NewRef(hooks.ptr(), nullptr));
+    if (!key || !dict)
+        throw py::error_already_set();
+    auto *held = new std::shared_ptr<Duty>(duty);
+    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(held, DUTY_CAPSULE, free_duty_capsule));
+    if (!capsule) {
+        delete held;
+        throw py::error_already_set();
     }
-    if (PyErr_Occurred())
+    py::object hook = py::reinterpret_steal<py::object>(PyCFunction_New(&dict_hook_def, capsule.ptr()));
+    if (!hook || PyObject_SetItem(hooks.ptr(), key.ptr(), hook.ptr()) != 0) // an OrderedDict's own order too
         throw py::error_already_set();
-    auto made = std::make_unique<LeafGuard>(std::move(duty));
-    made->hooks = PyWeakref_NewRef(hooks.ptr(), nullptr);
-    if (made->hooks == nullptr)
-        throw py::error_already_set();
-    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(made.get(), LEAF_CAPSULE, free_leaf_guard));
-    if (!capsule)
-        throw py::error_already_set();
-    made.release(); // the capsule's now
-    py::object hook = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_hook_def, capsule.ptr()));
-    if (!hook || PyObject_SetItem(hooks.ptr(), leaf_key, hook.ptr()) != 0) // an OrderedDict's own order too
-        throw py::error_already_set();
+    duty->hooks = dict.release().ptr();
+    duty->key = key.release().ptr();
 }
 
 // Whether ``fill_in_place`` and ``fill_out_of_place`` may record the exchange of ``object``: a ``torch.Tensor`` or
@@ -469,10 +499,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("copy", &copy);
     m.def("fill_out_of_place", &fill_out_of_place);
     m.def("set_functions", &set_functions);
-    m.def("owed", &owed);
     ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
-    leaf_key = PyUnicode_InternFromString("tensorplay_p2p.guard");
+    new_key = reinterpret_cast<PyObject *>(&PyBaseObject_Type);
     fill_adjoint_name = PyUnicode_InternFromString("fill_adjoint");
-    if (leaf_key == nullptr || fill_adjoint_name == nullptr)
+    if (fill_adjoint_name == nullptr)
         throw py::error_already_set();
 }
