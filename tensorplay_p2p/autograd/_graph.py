@@ -5,7 +5,8 @@ that a member's backward joins, whatever its own inputs and loss:
 
 - ``anchor()``: a leaf that requires a gradient, passed to every differentiable op in grad mode.  The op's output then
   requires a gradient on every member, so that a member whose own input needs none (mixed ``requires_grad``) still runs
-  the op's backward, sending its zeros, when its backward reaches the output.
+  the op's backward, sending its zeros, when its backward reaches the output.  The halo exchange's native nodes take
+  none: each is made its output's history whatever its input requires (``_native.cpp``).
   In forward mode, a dual zero does the same for the op's forward-mode rule, and under ``torch.func.vmap`` a batched
   zero for its vmap rule (``anchors``, ``vmapped``): every member runs the rule that posts the messages its peers'
   rules post.

@@ -661,7 +661,7 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
     if native is not None and _recordable(native, x):
         y = native.copy(x)
         call = plan.fill(y)
-        return native.fill_out_of_place(x, y, _anchor(), plan, call)
+        return native.fill_out_of_place(x, y, plan, call)
     call = number(plan)
     y = apply(_Fill, x, plan, call, *_anchored(x))
     _graph.guard(y.grad_fn, x, lambda: _substitute(plan, call))
@@ -693,7 +693,7 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
     native = _native.nodes
     if native is not None and _recordable(native, x):
         call = plan.fill(x)
-        return native.fill_in_place(x, _anchor(), plan, call)
+        return native.fill_in_place(x, plan, call)
     return apply(_FillInPlace, x, plan, number(plan), *_anchored(x))
 
 
@@ -713,7 +713,6 @@ def _recordable(native: Any, x: Any) -> bool:
 
 
 _compiling = torch.compiler.is_compiling
-_anchor = _graph.anchor
 
 
 def adjoint(grad: Any, plan: Plan, call: int) -> Any:

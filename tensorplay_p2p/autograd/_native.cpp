@@ -14,8 +14,9 @@
 // Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on a copy of the
 // gradient (``Plan.fill_adjoint``, as ``Plan.fill`` runs the forward); else the Python function ``set_functions``
 // installed (the one the Python nodes' backward runs: ``autograd._halo.adjoint``, differentiable in turn), with the
-// GIL held.  A node holds the exchange's plan (a Python object) and its call number, and takes the anchor as its last
-// input, as the Python node does.
+// GIL held.  A node holds the exchange's plan (a Python object) and its call number.  It takes no anchor (the Python
+// node's last input, ``autograd._graph.anchor``): it is made its output's history whatever its input requires, so
+// every member's backward runs it, and an anchor's edge would only cost the engine one more node to run.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -50,6 +51,20 @@ copy(const Tensor &x)
     return x.clone(at::MemoryFormat::Contiguous);
 }
 
+// Whether ``x`` is a plain tensor that nothing above autograd serves: no Python key, torch.func wrapper or batch,
+// no torch.func transform active, no conjugate or negative view (the Python node serves them all).  What the forward
+// (``recordable``) and a lean backward (``lean``) both ask.
+static bool
+plain(const Tensor &x)
+{
+    const auto keys = x.key_set();
+    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+    return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
+           !keys.has(c10::DispatchKey::FuncTorchBatched) &&
+           !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+           !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !x.is_conj() && !x.is_neg();
+}
+
 // A plan and a call number: what the adjoint and the substitute take.  The plan is released with the GIL, while the
 // interpreter lives.
 struct Call {
@@ -68,21 +83,23 @@ struct Call {
         }
     }
 
-    // ``function(*first, plan, number)``, with the GIL held: its tensor, or a Python error.
+    // ``function(plan, number)``, or ``function(grad, plan, number)`` where ``grad`` is given (None where it is
+    // undefined), with the GIL held: its tensor, or a Python error.
     Tensor
-    run(PyObject *function, const char *what, py::handle first = py::handle()) const
+    run(PyObject *function, const char *what, const Tensor *grad = nullptr) const
     {
         py::gil_scoped_acquire gil;
-        if (function == nullptr || plan == nullptr)
+        if (function == nullptr)
             throw std::runtime_error(std::string(what) + ": its backward ran after the interpreter's end");
-        py::object number_ = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
-        if (!number_)
-            throw py::error_already_set();
-        PyObject *result = first ? PyObject_CallFunctionObjArgs(function, first.ptr(), plan, number_.ptr(), nullptr)
-                                 : PyObject_CallFunctionObjArgs(function, plan, number_.ptr(), nullptr);
-        if (result == nullptr)
-            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
-        return py::reinterpret_steal<py::object>(result).cast<Tensor>();
+        py::object first;
+        if (grad != nullptr)
+            first = grad->defined() ? py::cast(*grad) : py::none();
+        return call(what,
+                    [&](PyObject *number_) {
+                        return first ? PyObject_CallFunctionObjArgs(function, first.ptr(), plan, number_, nullptr)
+                                     : PyObject_CallFunctionObjArgs(function, plan, number_, nullptr);
+                    })
+            .cast<Tensor>();
     }
 
     // ``plan.fill_adjoint(y, number)``: H* in place on ``y``, with the GIL held.
@@ -90,16 +107,28 @@ struct Call {
     fill_adjoint(const Tensor &y) const
     {
         py::gil_scoped_acquire gil;
-        if (plan == nullptr)
-            throw std::runtime_error("halo_exchange: its backward ran after the interpreter's end");
         py::object given = py::cast(y);
+        call("halo_exchange", [&](PyObject *number_) {
+            return PyObject_CallMethodObjArgs(plan, fill_adjoint_name, given.ptr(), number_, nullptr);
+        });
+    }
+
+  private:
+    // What ``invoke(number)`` returns, for ``number`` as a Python int, with the GIL held (the caller's): a Python
+    // error raises.
+    template <typename Invoke>
+    py::object
+    call(const char *what, Invoke invoke) const
+    {
+        if (plan == nullptr)
+            throw std::runtime_error(std::string(what) + ": its backward ran after the interpreter's end");
         py::object number_ = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
         if (!number_)
             throw py::error_already_set();
-        PyObject *result = PyObject_CallMethodObjArgs(plan, fill_adjoint_name, given.ptr(), number_.ptr(), nullptr);
+        PyObject *result = invoke(number_.ptr());
         if (result == nullptr)
-            throw py::error_already_set();
-        Py_DECREF(result);
+            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
+        return py::reinterpret_steal<py::object>(result);
     }
 };
 
@@ -201,9 +230,7 @@ struct HaloExchangeBackwardBase : public torch::autograd::Node {
             call->fill_adjoint(out[0]);
             return out;
         }
-        py::gil_scoped_acquire gil;
-        py::object grad = grads[0].defined() ? py::cast(grads[0]) : py::none();
-        out[0] = call->run(adjoint, "halo_exchange", grad);
+        out[0] = call->run(adjoint, "halo_exchange", &grads[0]);
         return out;
     }
 
@@ -213,15 +240,8 @@ struct HaloExchangeBackwardBase : public torch::autograd::Node {
     static bool
     lean(const Tensor &grad)
     {
-        if (!grad.defined() || at::GradMode::is_enabled() || torch::profiler::impl::profilerEnabled())
-            return false;
-        const auto keys = grad.key_set();
-        const auto included = c10::impl::tls_local_dispatch_key_set().included_;
-        return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
-               !keys.has(c10::DispatchKey::FuncTorchBatched) &&
-               !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
-               !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !grad.is_conj() && !grad.is_neg() &&
-               !grad._fw_grad(0).defined();
+        return grad.defined() && !at::GradMode::is_enabled() && !torch::profiler::impl::profilerEnabled() &&
+               plain(grad) && !grad._fw_grad(0).defined();
     }
 
     // the plan is kept on release_variables (the base's): a second backward pass (retain_graph) runs it again
@@ -425,25 +445,20 @@ recordable(py::handle object)
     if (!THPVariable_CheckExact(o))
         return false;
     const Tensor &x = THPVariable_Unpack(o);
-    const auto keys = x.key_set();
-    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
-    return (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type())) &&
-           !keys.has(c10::DispatchKey::FuncTorchGradWrapper) && !keys.has(c10::DispatchKey::FuncTorchBatched) &&
-           at::GradMode::is_enabled() && !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
-           !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) &&
+    return (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type())) && at::GradMode::is_enabled() &&
            !torch::profiler::impl::profilerEnabled() && !torch::autograd::AnomalyMode::is_enabled() &&
-           x.is_contiguous() && !x.is_conj() && !x.is_neg();
+           x.is_contiguous() && plain(x);
 }
 
 // Record ``x``'s in-place exchange (already run) in autograd: ``x``'s version moves on and its history becomes the
-// node, whose inputs are ``x``'s previous history and ``anchor``.  Raises torch's own error where ``x`` may not be
+// node, whose input is ``x``'s previous history.  Raises torch's own error where ``x`` may not be
 // written in place (a leaf that requires a gradient, a view of one), as torch's in-place ops do.
 //
 // The order is torch's own in-place ops': check, the edges, the version, the history.  The edges are taken before
 // the version moves on: a view's history read after it would be made anew at the new version, over its base's old
 // history, and then stay as it is when the base's is rebased (the view's backward would skip the exchange).
 static Tensor
-fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
+fill_in_place(Tensor x, py::handle plan, int64_t call)
 {
     try {
         torch::autograd::check_inplace(x, true);
@@ -451,7 +466,7 @@ fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
         torch::autograd::increment_version(x); // written all the same: a tensor saved before it is caught at backward
         throw;
     }
-    auto edges = torch::autograd::collect_next_edges(x, anchor);
+    auto edges = torch::autograd::collect_next_edges(x);
     torch::autograd::increment_version(x);
     auto node = c10::make_intrusive<HaloExchangeInPlaceBackward>();
     node->call = std::make_shared<Call>(plan, call);
@@ -461,17 +476,16 @@ fill_in_place(Tensor x, const Tensor &anchor, py::handle plan, int64_t call)
 }
 
 // Record ``halo_exchange``'s exchange of ``x`` into ``y`` (``copy(x)``, filled) in autograd: ``y``'s history becomes
-// the node, whose inputs are ``x``'s history and ``anchor``; where ``x`` requires a gradient, its guard holds the
-// node's duty.
+// the node, whose input is ``x``'s history; where ``x`` requires a gradient, its guard holds the node's duty.
 static Tensor
-fill_out_of_place(py::handle object, const Tensor &y, const Tensor &anchor, py::handle plan, int64_t call)
+fill_out_of_place(py::handle object, const Tensor &y, py::handle plan, int64_t call)
 {
     if (!THPVariable_Check(object.ptr()))
         throw py::type_error("fill_out_of_place: x is not a tensor");
     const Tensor &x = THPVariable_Unpack(object.ptr());
     auto node = c10::make_intrusive<HaloExchangeBackward>();
     node->call = std::make_shared<Call>(plan, call);
-    node->set_next_edges(torch::autograd::collect_next_edges(x, anchor));
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
     torch::autograd::set_history(y, node);
     if (x.requires_grad()) {
         node->duty = std::make_shared<Duty>(node->call);
@@ -493,7 +507,7 @@ set_functions(py::object adjoint_, py::object substitute_)
 // The contract with ``autograd._native``: it loads a build whose ``CONTRACT`` is the one it expects, or none.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.attr("CONTRACT") = 2;
+    m.attr("CONTRACT") = 3;
     m.def("recordable", &recordable);
     m.def("fill_in_place", &fill_in_place);
     m.def("copy", &copy);

@@ -38,7 +38,7 @@ from .._src.settings import env_flag
 __all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
-CONTRACT = 2  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
+CONTRACT = 3  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
 SOURCE = Path(__file__).with_name("_native.cpp")
 FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
 
