@@ -11,7 +11,8 @@ owner's interior cell, and the ghost becomes zero; the other cells are kept.
 Both passes gather the cells they send into one contiguous buffer with one ``index_select`` and scatter what they
 receive with one ``index_copy_`` (forward) or ``index_add_`` (backward), on whatever device the tensor is; the
 messages are the package's own point-to-point calls on those buffers (zero-copy, staged from a device where MPI is
-not CUDA-aware).  A plan holds the index maps and the buffers per shape, dtype and device, built once.
+not CUDA-aware), one to and one from each neighbouring process a pass, whatever the directions it stands in.  A
+plan holds the index maps and the buffers per shape, dtype and device, built once.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ class Plan:
                 sends.append((k, to, slab))
             if source != MPI.PROC_NULL:
                 receives.append((k, source, ghost))
+        sends, receives = _by_peer(sends), _by_peer(receives)
         empty = torch.empty(0, dtype=torch.int64)
         slab_index = torch.cat([s for _, _, s in sends] + [s for s, _ in selfs] + [empty])
         ghost_index = torch.cat([g for _, g in selfs] + [g for _, _, g in receives] + [empty])
@@ -425,6 +427,17 @@ class Plan:
         else:
             self.run(out, call, adjoint)
         return out
+
+
+def _by_peer(messages: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
+    """One message per peer, numbered as its first direction: the cells of every direction toward it (or from it),
+    in the directions' order.  Both ends of a pair list the same directions in the same order (a message toward the
+    neighbour at offset ``o`` is the one that neighbour receives from ``-o``), so that the cells meet; where a grid
+    dimension has one or two processes, one neighbour stands at several offsets, and its messages travel as one."""
+    merged: dict[int, tuple[int, list[Any]]] = {}
+    for k, peer, cells in messages:
+        merged.setdefault(peer, (k, []))[1].append(cells)
+    return [(k, peer, torch.cat(parts)) for peer, (k, parts) in merged.items()]
 
 
 def _spans(sizes: list[int]) -> list[tuple[int, int]]:

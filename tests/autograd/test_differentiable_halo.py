@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from world import RANK, SIZE
 
 import tensorplay_p2p as dist
@@ -109,6 +110,24 @@ def test_forward_fills_every_owned_ghost_and_keeps_the_rest(grid: tuple[object, 
     y = ag.halo_exchange(torch.from_numpy(x), cart, halo, corners)
     np.testing.assert_array_equal(y.detach().numpy(), want)
     np.testing.assert_array_equal(x, block.arrays()[0])  # out of place: the input is untouched
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=_ids)
+def test_one_message_to_and_from_each_neighbouring_process(grid: tuple[object, ...]) -> None:
+    """A process that stands in several directions (a grid dimension of one or two processes) gets one message a
+    pass, and sends one: every direction's cells in one buffer, in the same order at both ends (the forward test
+    above checks that they meet); the processes of the message sets are this process's neighbours, itself aside."""
+    dims, periods, halo, corners = grid
+    cart = _cart(dims, periods)
+    block = Block(cart, halo, corners)
+    plan = _halo.plan_for(torch.zeros(block.shape, dtype=torch.float64), cart, halo, corners, "test")
+    directions = _halo._directions(plan.widths, corners)
+    toward = {cart.neighbor(o) for o in directions} - {MPI.PROC_NULL, cart.rank()}
+    from_ = {cart.neighbor(tuple(-d for d in o)) for o in directions} - {MPI.PROC_NULL, cart.rank()}
+    for messages, peers in ((plan.sends, toward), (plan.receives, from_)):
+        assert sorted(peer for _, peer in messages) == sorted(peers)
+    counts = MPI.COMM_WORLD.allgather((len(plan.sends), len(plan.receives)))
+    assert sum(s for s, _ in counts) == sum(r for _, r in counts)  # every message sent is received
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=_ids)
