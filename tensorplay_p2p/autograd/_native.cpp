@@ -11,12 +11,14 @@
 //   its history (``set_history``), and the input a guard (``autograd._graph.guard``, natively): a hook on the input's
 //   gradient that runs the exchange's backward where a backward pass reaches the input but not the node.
 //
-// Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on a copy of the
-// gradient (``Plan.fill_adjoint``, as ``Plan.fill`` runs the forward); else the Python function ``set_functions``
-// installed (the one the Python nodes' backward runs: ``autograd._halo.adjoint``, differentiable in turn), with the
-// GIL held.  A node holds the exchange's plan (a Python object) and its call number.  It takes no anchor (the Python
-// node's last input, ``autograd._graph.anchor``): it is made its output's history whatever its input requires, so
-// every member's backward runs it, and an anchor's edge would only cost the engine one more node to run.
+// Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on the gradient where
+// nothing else holds it, else on its copy (``Plan.fill_adjoint``, as ``Plan.fill`` runs the forward); else the Python
+// function ``set_functions`` installed (the one the Python nodes' backward runs: ``autograd._halo.adjoint``,
+// differentiable in turn), with the GIL held.  A node holds the exchange's plan (a Python object) and its call number.
+// It takes no anchor (the Python node's last input, ``autograd._graph.anchor``): it is made its output's history
+// whatever its input requires, so every member's backward runs it, and an anchor's edge would only cost the engine one
+// more node to run.
+#include <ATen/CachedTensorUtils.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -43,7 +45,7 @@ static PyObject *substitute = nullptr;        // owned: autograd._halo._substitu
 static PyObject *fill_adjoint_name = nullptr; // "fill_adjoint"; held for good
 
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
-// ``fill_out_of_place`` records it, and what a lean adjoint adds into.
+// ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
 static Tensor
 copy(const Tensor &x)
 {
@@ -226,22 +228,37 @@ struct HaloExchangeBackwardBase : public torch::autograd::Node {
     {
         variable_list out(num_outputs());
         if (lean(grads[0])) {
-            out[0] = copy(grads[0]);
-            call->fill_adjoint(out[0]);
+            Tensor grad = std::move(grads[0]);
+            if (!owned(grad))
+                grad = copy(grad);
+            call->fill_adjoint(grad);
+            out[0] = std::move(grad);
             return out;
         }
         out[0] = call->run(adjoint, "halo_exchange", &grads[0]);
         return out;
     }
 
-    // Whether the adjoint of ``grad`` is the plan's pass alone, on its copy (``Plan.fill_adjoint``): a first-order
-    // backward (grad mode off: no node to record), a plain tensor with no tangent, no conjugate or negative view, no
-    // torch.func transform or profiler to serve.  Else the Python adjoint, as the Python node's backward.
+    // Whether the adjoint of ``grad`` is the plan's pass alone, on it or its copy (``Plan.fill_adjoint``): a
+    // first-order backward (grad mode off: no node to record), a plain tensor with no tangent, no conjugate or
+    // negative view, no torch.func transform or profiler to serve.  Else the Python adjoint, as the Python node's
+    // backward.
     static bool
     lean(const Tensor &grad)
     {
         return grad.defined() && !at::GradMode::is_enabled() && !torch::profiler::impl::profilerEnabled() &&
                plain(grad) && !grad._fw_grad(0).defined();
+    }
+
+    // Whether the lean adjoint may run in place on ``grad``, as it came from the engine: contiguous, and no other
+    // tensor holds it or its memory.  torch's engine's own rule for adding into a gradient in place
+    // (``can_accumulate_inplace``): a gradient a hook, a capture of ``torch.autograd.grad`` or the program (a root
+    // gradient it passed) still holds, or a view of another's memory, is copied first.
+    static bool
+    owned(const Tensor &grad)
+    {
+        return grad.is_contiguous() && !grad.is_nested() && !grad._is_zerotensor() &&
+               at::caching::adjusted_use_count(grad) == 1 && grad.has_storage() && grad.storage().use_count() == 1;
     }
 
     // the plan is kept on release_variables (the base's): a second backward pass (retain_graph) runs it again

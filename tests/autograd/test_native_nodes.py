@@ -263,6 +263,49 @@ def test_out_of_place_records_no_guard_where_the_input_needs_no_gradient() -> No
         assert ag.halo_exchange(x, cart, 1).grad_fn is None
 
 
+@pytest.mark.parametrize("form", EXCHANGES, ids=list(EXCHANGES))
+def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first-order backward adds the ghosts into the gradient that reached the node, in place, where nothing else
+    holds it or its memory (torch's engine's own rule for adding into a gradient in place), and into a copy where
+    something does: a root gradient the program passed, a gradient a hook kept, one that another input's node
+    shares, or an expanded one (a sum's).  Nothing held elsewhere changes, and every gradient equals the Python
+    node's."""
+    _built()
+    exchange = EXCHANGES[form]
+    cart = dist.new_cart_group((0,), True)
+    x, v, w = (_field((6, 3), torch.float64, seed) for seed in range(3))
+    _warm(cart, (6, 3), torch.float64, 1, False)
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for case in ("owned", "root", "kept", "shared", "expanded"):
+            leaf = x.clone().requires_grad_(True)
+            y = exchange(leaf * 1 if form == "in place" else leaf, cart, 1)
+            held = v.clone()
+            if case == "owned":
+                (y * v).sum().backward()  # the product's gradient is a new tensor of its own
+            elif case == "root":
+                y.backward(held)
+            elif case == "kept":
+                kept: list[torch.Tensor] = []
+                y.register_hook(kept.append)
+                (y * v).sum().backward()
+                (held,) = kept
+            elif case == "shared":  # the sum's backward gives both inputs one gradient
+                other = x.clone().requires_grad_(True)
+                ((y + other * w) * v).sum().backward()
+                out.append(other.grad)
+            else:
+                y.sum().backward()
+            assert torch.equal(held, v)  # what something else held is untouched
+            out.append(leaf.grad)
+        return out
+
+    _native_then_python(run, monkeypatch)
+
+
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
     _built()
     cart = dist.new_cart_group((0,), True)
