@@ -253,12 +253,14 @@ struct HaloExchangeBackwardBase : public torch::autograd::Node {
     // Whether the lean adjoint may run in place on ``grad``, as it came from the engine: contiguous, and no other
     // tensor holds it or its memory.  torch's engine's own rule for adding into a gradient in place
     // (``can_accumulate_inplace``): a gradient a hook, a capture of ``torch.autograd.grad`` or the program (a root
-    // gradient it passed) still holds, or a view of another's memory, is copied first.
+    // gradient it passed) still holds, or a view of another's memory, is copied first.  Stricter than torch's: the
+    // memory is torch's own (resizable), not another library's that torch only borrows (``from_numpy``, DLPack).
     static bool
     owned(const Tensor &grad)
     {
         return grad.is_contiguous() && !grad.is_nested() && !grad._is_zerotensor() &&
-               at::caching::adjusted_use_count(grad) == 1 && grad.has_storage() && grad.storage().use_count() == 1;
+               at::caching::adjusted_use_count(grad) == 1 && grad.has_storage() && grad.storage().use_count() == 1 &&
+               grad.storage().resizable();
     }
 
     // the plan is kept on release_variables (the base's): a second backward pass (retain_graph) runs it again
