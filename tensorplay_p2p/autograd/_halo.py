@@ -378,7 +378,8 @@ class Plan:
 
     def fill_adjoint(self, x: Any, call: int) -> None:
         """H* of call ``call`` in place on ``x``, as ``fill`` runs H: the native nodes' first-order backward (grad
-        mode off, no tangent, no profiler) on its gradient's copy."""
+        mode off, no tangent, no profiler) on its gradient, or on the gradient's copy where something else holds
+        it."""
         with self.side.lock:
             kernel = self._claim(call, True)
         self._fill(x, call, True, kernel)

@@ -44,6 +44,9 @@ static PyObject *adjoint = nullptr;           // owned: autograd._halo.adjoint(g
 static PyObject *substitute = nullptr;        // owned: autograd._halo._substitute(plan, call)
 static PyObject *fill_adjoint_name = nullptr; // "fill_adjoint"; held for good
 
+// How many lean adjoints ran in place on the gradient they were given, and how many on its copy (``counts``).
+static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0};
+
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
 // ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
 static Tensor
@@ -229,8 +232,12 @@ struct HaloExchangeBackwardBase : public torch::autograd::Node {
         variable_list out(num_outputs());
         if (lean(grads[0])) {
             Tensor grad = std::move(grads[0]);
-            if (!owned(grad))
+            if (owned(grad)) {
+                adjoints_in_place.fetch_add(1, std::memory_order_relaxed);
+            } else {
                 grad = copy(grad);
+                adjoints_copied.fetch_add(1, std::memory_order_relaxed);
+            }
             call->fill_adjoint(grad);
             out[0] = std::move(grad);
             return out;
@@ -513,6 +520,17 @@ fill_out_of_place(py::handle object, const Tensor &y, py::handle plan, int64_t c
     return y;
 }
 
+// What the lean adjoints did in this process: ``{"in place": n, "copied": m}`` (on a gradient that nothing else held,
+// or on its copy).  Python cannot see it otherwise: a tensor it has seen keeps a second reference, and is copied.
+static py::dict
+counts()
+{
+    py::dict out;
+    out["in place"] = adjoints_in_place.load();
+    out["copied"] = adjoints_copied.load();
+    return out;
+}
+
 static void
 set_functions(py::object adjoint_, py::object substitute_)
 {
@@ -532,6 +550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("copy", &copy);
     m.def("fill_out_of_place", &fill_out_of_place);
     m.def("set_functions", &set_functions);
+    m.def("counts", &counts);
     ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
     new_key = reinterpret_cast<PyObject *>(&PyBaseObject_Type);
     fill_adjoint_name = PyUnicode_InternFromString("fill_adjoint");

@@ -278,12 +278,15 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
     x, v, w = (_field((6, 3), torch.float64, seed) for seed in range(3))
     _warm(cart, (6, 3), torch.float64, 1, False)
 
+    went: list[str] = []  # where each lean adjoint of a native node ran: in place, or on a copy
+
     def run() -> list[torch.Tensor]:
         out = []
         for case in ("owned", "root", "kept", "shared", "expanded"):
             leaf = x.clone().requires_grad_(True)
             y = exchange(leaf * 1 if form == "in place" else leaf, cart, 1)
             held = v.clone()
+            before = _native.nodes.counts() if _native.nodes is not None else None
             if case == "owned":
                 (y * v).sum().backward()  # the product's gradient is a new tensor of its own
             elif case == "root":
@@ -300,10 +303,16 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
             else:
                 y.sum().backward()
             assert torch.equal(held, v)  # what something else held is untouched
+            if before is not None:
+                after = _native.nodes.counts()
+                went.extend(where for where in before for _ in range(after[where] - before[where]))
             out.append(leaf.grad)
         return out
 
     _native_then_python(run, monkeypatch)
+    if not (RANK == 0 and SIZE > 1):  # rank 0 of several recorded Python nodes in the native run
+        assert went[:1] == ["in place"] and went[1:3] == ["copied"] * 2 and went[-1] == "copied"
+        assert len(went) == 5  # one lean adjoint a case
 
 
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
