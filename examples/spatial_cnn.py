@@ -87,11 +87,11 @@ def main() -> int:
 
         total = torch.tensor([float(local_loss.detach())], dtype=torch.float64)
         dist.all_reduce(total, group=cart)
-        gap = max(float((a - b).abs().max()) for a, b in zip(serial_w, parallel_w, strict=True))
-        worst = max(worst, gap, abs(float(total[0]) - float(serial_loss)))
+        gap = max(float((a - b).detach().abs().max()) for a, b in zip(serial_w, parallel_w, strict=True))
+        worst = max(worst, gap, abs(float(total[0]) - float(serial_loss.detach())))
         if rank == 0:
             print(
-                f"step {step}: loss {float(total[0]):.6f} (one process {float(serial_loss):.6f}), "
+                f"step {step}: loss {float(total[0]):.6f} (one process {float(serial_loss.detach()):.6f}), "
                 f"weights differ by {gap:.1e}"
             )
     largest = torch.tensor([worst], dtype=torch.float64)

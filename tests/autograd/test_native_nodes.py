@@ -14,7 +14,9 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy
 import pytest
 from world import RANK, SIZE
 
@@ -263,6 +265,22 @@ def test_out_of_place_records_no_guard_where_the_input_needs_no_gradient() -> No
         assert ag.halo_exchange(x, cart, 1).grad_fn is None
 
 
+class _Borrowed(torch.autograd.Function):
+    """A copy forward; backward, the gradient copied into a new numpy array that ``arrays`` keeps, and passed on as
+    the one tensor on its memory (``torch.from_numpy``)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, arrays: list[numpy.ndarray[Any, Any]]) -> torch.Tensor:
+        ctx.arrays = arrays
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        array = grad.detach().numpy().copy()
+        ctx.arrays.append(array)
+        return torch.from_numpy(array), None
+
+
 @pytest.mark.parametrize("form", EXCHANGES, ids=list(EXCHANGES))
 def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
     form: str, monkeypatch: pytest.MonkeyPatch
@@ -270,8 +288,10 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
     """A first-order backward adds the ghosts into the gradient that reached the node, in place, where nothing else
     holds it or its memory (torch's engine's own rule for adding into a gradient in place), and into a copy where
     something does: a root gradient the program passed, a gradient a hook kept, one that another input's node
-    shares, or an expanded one (a sum's).  Nothing held elsewhere changes, and every gradient equals the Python
-    node's."""
+    shares, an expanded one (a sum's), or one a Python ``Function``'s backward returned (its wrapper holds it; here
+    on a numpy array's memory that the program keeps).  Nothing held elsewhere changes, and every gradient equals
+    the Python node's.  (The rule's last clause, memory that torch allocated itself, has no case here: a tensor
+    made in Python always has a second holder by the time it reaches the node.)"""
     _built()
     exchange = EXCHANGES[form]
     cart = dist.new_cart_group((0,), True)
@@ -282,7 +302,7 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
 
     def run() -> list[torch.Tensor]:
         out = []
-        for case in ("owned", "root", "kept", "shared", "expanded"):
+        for case in ("owned", "root", "kept", "shared", "expanded", "borrowed"):
             leaf = x.clone().requires_grad_(True)
             y = exchange(leaf * 1 if form == "in place" else leaf, cart, 1)
             held = v.clone()
@@ -300,8 +320,13 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
                 other = x.clone().requires_grad_(True)
                 ((y + other * w) * v).sum().backward()
                 out.append(other.grad)
-            else:
+            elif case == "expanded":
                 y.sum().backward()
+            else:  # the array stays the program's
+                arrays: list[numpy.ndarray[Any, Any]] = []
+                (_Borrowed.apply(y, arrays) * v).sum().backward()
+                (array,) = arrays
+                held = torch.from_numpy(array).clone()  # no longer sharing it
             assert torch.equal(held, v)  # what something else held is untouched
             if before is not None:
                 after = _native.nodes.counts()
@@ -311,8 +336,8 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
 
     _native_then_python(run, monkeypatch)
     if not (RANK == 0 and SIZE > 1):  # rank 0 of several recorded Python nodes in the native run
-        assert went[:1] == ["in place"] and went[1:3] == ["copied"] * 2 and went[-1] == "copied"
-        assert len(went) == 5  # one lean adjoint a case
+        assert went[:1] == ["in place"] and went[1:3] == ["copied"] * 2 and went[-2:] == ["copied"] * 2
+        assert len(went) == 6  # one lean adjoint a case
 
 
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
