@@ -387,3 +387,36 @@ def test_the_anchor_made_under_a_transform_still_anchors(monkeypatch: pytest.Mon
     assert y.requires_grad  # on every process: its backward joins the others'
     y.sum().backward()
     assert x.grad is None if RANK % 2 else x.grad.tolist() == [float(SIZE)] * 2
+
+
+def _vector_jacobian_product(op: Callable[[Any], Any]) -> Any:
+    leaf = _random(4).requires_grad_(True)
+    out = op(leaf)
+    (g,) = torch.autograd.grad(out, leaf, torch.ones_like(out) * (RANK + 1))
+    return g
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_is_grads_batched_gives_each_cotangent_s_gradient_or_fails_alike_and_the_job_goes_on(name: str) -> None:
+    """``torch.autograd.grad(..., is_grads_batched=True)`` runs the backward under torch's older vmap, which no rule
+    of these ops serves (docs/autograd.md): an op whose backward communicates fails on every member alike, before
+    posting anything, and the next exchange and its backward run as usual; one whose backward does not
+    (``reduce_from_group``'s identity) gives each cotangent's gradient."""
+    op = _op(name, dist.new_cart_group((0, 0), (True, False)))
+    before = _vector_jacobian_product(op)
+    x = _random(3).requires_grad_(True)
+    y = op(x)
+    cotangents = torch.stack(
+        [torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(k + RANK)) for k in range(2)]
+    )
+    try:
+        (batched,) = torch.autograd.grad(y, x, cotangents, is_grads_batched=True, retain_graph=True)
+    except RuntimeError:
+        batched = None
+    failed = torch.tensor([float(batched is None)], dtype=torch.float64)
+    dist.all_reduce(failed)
+    assert float(failed[0]) == (0 if name == "reduce_from_group" else SIZE)
+    if batched is not None:
+        want = [torch.autograd.grad(y, x, v, retain_graph=True)[0] for v in cotangents]
+        assert torch.equal(batched, torch.stack(want))
+    assert torch.equal(_vector_jacobian_product(op), before)  # the job goes on, with the same results
