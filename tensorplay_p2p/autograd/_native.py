@@ -35,11 +35,12 @@ import torch
 from .._src import engine
 from .._src.settings import env_flag
 
-__all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "library", "load", "nodes", "reason"]
+__all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "import_build", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
 CONTRACT = 3  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
 SOURCE = Path(__file__).with_name("_native.cpp")
+STEM = "tensorplay_p2p_native"  # the build's name, before its digest
 FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
 
 nodes: Any = None  # the loaded module (``fill_in_place``, ``fill_out_of_place``), or None: the Python nodes run
@@ -55,19 +56,19 @@ def cache() -> Path:
     return (Path(base).expanduser() if base else Path.home() / ".cache") / "tensorplay_p2p"
 
 
-def _name() -> str:
-    """The module's name: its source's digest, with torch's version and C++ ABI, the interpreter's extension ABI (its
-    version, debug and free-threaded builds, platform) and the flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def _name(source: Path = SOURCE, stem: str = STEM) -> str:
+    """The module's name: ``stem`` and a digest of ``source``, of torch's version and C++ ABI, of the interpreter's
+    extension ABI (its version, debug and free-threaded builds, platform) and of the flags."""
+    digest = hashlib.sha256(source.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
     interpreter = (sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0], sys.platform)
     digest.update(repr((torch.__version__, abi, interpreter, FLAGS)).encode())
-    return f"tensorplay_p2p_native_{digest.hexdigest()[:16]}"
+    return f"{stem}_{digest.hexdigest()[:16]}"
 
 
-def library() -> Path:
-    """Where the build for this torch, interpreter and source is (whether or not it is there)."""
-    return cache() / f"{_name()}.so"
+def library(source: Path = SOURCE, stem: str = STEM) -> Path:
+    """Where the build of ``source`` for this torch and interpreter is (whether or not it is there)."""
+    return cache() / f"{_name(source, stem)}.so"
 
 
 def load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, int], Any]) -> Any:
@@ -93,7 +94,7 @@ def _load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, in
     if not built:
         return None, "Python: not built for this torch (tensorplay-p2p build-nodes builds it)"
     try:
-        module = _import(path)
+        module = import_build(path)
         if getattr(module, "CONTRACT", None) != CONTRACT:
             return None, f"Python: the build at {path} is not of this version of the package (build it again)"
         module.set_functions(adjoint, substitute)
@@ -102,7 +103,8 @@ def _load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, in
     return module, f"native (C++, built at {path})"
 
 
-def _import(path: Path) -> ModuleType:
+def import_build(path: Path) -> ModuleType:
+    """The module built at ``path`` (``build``), imported once a process."""
     name = path.stem
     loaded = sys.modules.get(name)
     if loaded is not None:  # built in this process (``build``), or loaded before
@@ -117,18 +119,19 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
-def build(verbose: bool = False) -> Path:
-    """Build ``_native.cpp`` against this torch into the cache (unless built already) and return where it is.
+def build(verbose: bool = False, source: Path = SOURCE, stem: str = STEM) -> Path:
+    """Build ``source`` (the native nodes' ``_native.cpp``; the benchmark's ``_nodes.cpp``) against this torch into
+    the cache (unless built already) and return where it is.
 
     Raises:
         RuntimeError: it cannot be built here (no C++ compiler or ninja, a failed compile), saying why.
     """
-    target = library()
+    target = library(source, stem)
     if target.is_file():
         return target
-    folder = tempfile.mkdtemp(prefix="tensorplay_p2p_native_")
+    folder = tempfile.mkdtemp(prefix=f"{stem}_")
     try:
-        compile_extension(target.stem, SOURCE, folder, verbose)
+        compile_extension(target.stem, source, folder, verbose)
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(prefix=f".{target.stem}.", dir=target.parent)  # unique on a shared folder
         try:

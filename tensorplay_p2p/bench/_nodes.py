@@ -31,14 +31,13 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
     what the op's Python and its node add to each call (left out without the compiled engine);
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
 
-The C++ (``_nodes.cpp``) is built when the run starts, with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
-about 20 s here).  Where it cannot be built, its series are left out and the reason said.
+The C++ (``_nodes.cpp``) is built by the first run for a torch and a source, with ``torch.utils.cpp_extension`` (a
+C++ compiler and ninja; about 20 s here), into the cache folder of the native nodes' build (``autograd._native``),
+and loaded from there by later runs.  Where it cannot be built, its series are left out and the reason said.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,16 +73,14 @@ class Nodes:
 
 
 def build() -> tuple[Any, str]:
-    """The built ``_nodes.cpp`` and "", else None and why it could not be built."""
+    """The built ``_nodes.cpp`` and "", else None and why it could not be built: built once per torch and source
+    into the cache folder, as the native nodes are (``autograd._native.build``), and loaded from there."""
     from tensorplay_p2p.autograd import _native
 
-    folder = tempfile.mkdtemp(prefix="tensorplay_p2p_nodes_")
     try:
-        return _native.compile_extension("tensorplay_p2p_bench_nodes", _SOURCE, folder), ""
-    except RuntimeError as exc:  # no compiler or ninja, a failed build
+        return _native.import_build(_native.build(source=_SOURCE, stem="tensorplay_p2p_bench_nodes")), ""
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler or ninja, a failed build, an unusable cache
         return None, str(exc)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # loaded, the library stays mapped
 
 
 def _python_function(torch: Any, new: bool) -> Any:

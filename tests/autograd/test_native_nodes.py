@@ -1,6 +1,8 @@
 """The native (C++) autograd node of ``halo_exchange_``: where it is built and loaded it records the exchange, with
 the same values, gradients (every order), version counter and errors as the Python node, bit for bit; the Python
-node serves what it leaves to it; and loading it never raises (``autograd._native``).
+node serves what it leaves to it; and loading it never raises (``autograd._native``).  That compiled autograd gets
+the Python node is checked once, in the compiled training step's job (``tests/jobs/test_autograd_jobs.py``): Dynamo's
+start costs about 10 s a run.
 
 Where the nodes are not built, the tests that need them are skipped, except where the engine is expected compiled
 (``TP2P_EXPECT_ENGINE=compiled``, as in CI, whose run builds them first): there they must be loaded.
@@ -465,29 +467,6 @@ def test_the_python_node_serves_what_the_native_node_leaves_to_it() -> None:
     assert torch.equal(y, ag.halo_exchange(n, cart, 1, True))
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # its trace of the adjoint
-def test_compiled_autograd_gets_the_python_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiled autograd traces only nodes it knows: recorded under it, the exchange gets the Python node, and
-    compiled autograd's gradient equals the native node's, run eagerly."""
-    _built()
-    if settings.state.checked:  # dynamo traces the Python adjoint, and fails on checked mode's numpy headers
-        pytest.skip("compiled autograd cannot trace a checked-mode message's header")
-    from torch._dynamo import compiled_autograd
-
-    cart = dist.new_cart_group((0,), True)
-    x = torch.arange(5, dtype=torch.float64) + RANK
-    leaf = x.clone().requires_grad_(True)
-    y = ag.halo_exchange_(leaf * 1, cart, 1)
-    assert y.grad_fn.name() == NATIVE
-    (y * y).sum().backward()
-    compiled = x.clone().requires_grad_(True)
-    with compiled_autograd._enable(torch.compile(backend="eager")):
-        y = ag.halo_exchange_(compiled * 1, cart, 1)
-        assert y.grad_fn.name() == PYTHON
-        (y * y).sum().backward()
-    assert torch.equal(compiled.grad, leaf.grad)
-
-
 @pytest.mark.parametrize("form", NAMES)
 def test_an_error_in_the_backward_reaches_its_caller(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception of the adjoint comes out of ``backward`` with its type and message: of the plan's pass, which a
@@ -548,7 +527,7 @@ def test_loading_never_raises_and_says_why(tmp_path: Path, monkeypatch: pytest.M
     try:
         monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path))
         monkeypatch.setenv(engine.ENV, "1")
-        monkeypatch.setattr(_native, "_name", lambda: "tensorplay_p2p_native_test")  # none loaded by that name
+        monkeypatch.setattr(_native, "_name", lambda *source: "tensorplay_p2p_native_test")  # none loaded by that name
         assert _native.library() == tmp_path / "tensorplay_p2p_native_test.so"
         assert _native.load(_halo.adjoint, _halo._substitute) is None and "not built" in _native.reason
         _native.library().write_bytes(b"not a library")

@@ -1,7 +1,8 @@
 """Differentiable communication in jobs of their own: a rank that never runs its backward pass (a timeout error that
 names the pending backward message, and the job goes on), a rank whose backward skipped a collective's adjoint (its
 next collective does not take its peer's waiting adjoint), neighbours that disagree on dtype (checked mode) or shape,
-and a training step with a halo exchange under ``torch.compile(fullgraph=True)``.
+and a training step with a halo exchange under ``torch.compile(fullgraph=True)`` (and the exchange's backward under
+compiled autograd, which gets the Python node).
 
 Outside mpiexec: ``python -m pytest tests/jobs/test_autograd_jobs.py``; skipped without torch.
 """
@@ -9,6 +10,7 @@ Outside mpiexec: ``python -m pytest tests/jobs/test_autograd_jobs.py``; skipped 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -238,10 +240,33 @@ def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path
             torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads, eager_grads)
         )
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+
+        # compiled autograd runs only the nodes it can trace: recorded under it, halo_exchange_ gets the Python
+        # node, and its gradient equals the native node's (where built), run eagerly
+        from torch._dynamo import compiled_autograd
+        from tensorplay_p2p.autograd import _native
+
+        line = dist.new_cart_group((0,), True)
+        x = torch.arange(5, dtype=torch.float64) + rank
+        eager_leaf = x.clone().requires_grad_(True)
+        y = ag.halo_exchange_(eager_leaf * 1, line, 1)
+        nodes = [y.grad_fn.name()]
+        (y * y).sum().backward()
+        leaf = x.clone().requires_grad_(True)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            y = ag.halo_exchange_(leaf * 1, line, 1)
+            nodes.append(y.grad_fn.name())
+            (y * y).sum().backward()
+        equal = torch.equal(leaf.grad, eager_leaf.grad)
         with open(f"result.{rank}", "w") as f:
-            f.write(f"{'same' if same else 'DIFFERENT'} breaks {breaks}")
+            f.write(f"{'same' if same else 'DIFFERENT'} breaks {breaks} native {_native.nodes is not None} ")
+            f.write(f"nodes {' '.join(nodes)} {'equal' if equal else 'UNEQUAL'}")
     """
     rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
     assert rc == 0, output
+    expected = os.environ.get("TP2P_EXPECT_ENGINE") == "compiled"  # then the nodes must be built (as in CI)
     for rank in (0, 1):
-        assert (tmp_path / f"result.{rank}").read_text() == "same breaks 0", output
+        got = (tmp_path / f"result.{rank}").read_text()
+        native = expected or "native True" in got
+        eager = "HaloExchangeInPlaceBackward" if native else "_FillInPlaceEagerBackward"
+        assert got == f"same breaks 0 native {native} nodes {eager} _FillInPlaceEagerBackward equal", output

@@ -271,7 +271,7 @@ def test_nodes_table_times_each_way_of_making_a_node() -> None:
     assert exchange["persistent HaloExchange"] == [exchange["persistent HaloExchange"][0], "", "1"], done.stdout
 
 
-def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why() -> None:
+def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why(tmp_path: Path) -> None:
     """Where ``_nodes.cpp`` cannot be built (here: no ninja), ``--nodes`` times the rest and says why."""
     pytest.importorskip("torch")
     script = (
@@ -288,7 +288,8 @@ def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why() -> Non
         "names = _nodes.names(False, compiled=False)\n"
         "print(_nodes.format_nodes(_nodes.Nodes({n: 1.0 + i for i, n in enumerate(names)}, why, False)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=LIMIT)
+    empty = {**os.environ, "TENSORPLAY_P2P_CACHE": str(tmp_path)}  # no build of an earlier run to load
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=LIMIT, env=empty)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     why = "torch.utils.cpp_extension cannot build it: Ninja is required to load C++ extensions"
