@@ -88,12 +88,10 @@ def main() -> int:
         total = torch.tensor([float(local_loss.detach())], dtype=torch.float64)
         dist.all_reduce(total, group=cart)
         gap = max(float((a - b).detach().abs().max()) for a, b in zip(serial_w, parallel_w, strict=True))
-        worst = max(worst, gap, abs(float(total[0]) - float(serial_loss.detach())))
+        serial = float(serial_loss.detach())
+        worst = max(worst, gap, abs(float(total[0]) - serial))
         if rank == 0:
-            print(
-                f"step {step}: loss {float(total[0]):.6f} (one process {float(serial_loss.detach()):.6f}), "
-                f"weights differ by {gap:.1e}"
-            )
+            print(f"step {step}: loss {float(total[0]):.6f} (one process {serial:.6f}), weights differ by {gap:.1e}")
     largest = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=cart)
     ok = float(largest[0]) < 1e-12
