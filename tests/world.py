@@ -80,6 +80,16 @@ def in_threads(work: Callable[[int], None], count: int, seconds: float = WAIT) -
     return errors, any(thread.is_alive() for thread in threads)
 
 
+def refused_on_another_thread(call: Callable[[], object]) -> str:
+    """What ``call()`` raises on a thread of its own where the thread rule refuses it (the MPI library below
+    MPI_THREAD_MULTIPLE, or a test that says it is): a RuntimeError naming the rule, whose message is returned."""
+    errors, alive = in_threads(lambda _: call(), 1)
+    assert not alive and len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    message = str(errors[0])
+    assert "called from a second thread" in message and "MPI_THREAD_MULTIPLE" in message, message
+    return message
+
+
 def wait_or_cancel(works: dist.Work | Iterable[dist.Work | None] | None, seconds: float = WAIT) -> None:
     """Wait for ``works`` (a Work, a BatchWork or a list of them) within one deadline of ``seconds``.
 

@@ -31,6 +31,7 @@ from torch._dynamo import compiled_autograd as _compiled_autograd
 from torch.autograd import forward_ad
 
 from .._src import engine, errors
+from .._src.p2p import validate
 from .._src.p2p.ops import P2POp, irecv, isend
 from .._src.persistent.cart import CartGroup
 from .._src.persistent.plan import P2PPlan
@@ -288,6 +289,8 @@ class Plan:
 
     def _start(self, x: Any, call: int, backward: bool, whole: bool) -> Pending | None:
         """``start``; ``whole``: the whole pass where its compiled body runs it (then None is returned)."""
+        if validate.single_threaded:  # before the slot is claimed: nothing is posted
+            validate.check_thread(f"halo_exchange (the {'backward' if backward else 'forward'} pass of call {call})")
         if self.group.communicator is None:  # destroyed: raises, naming it
             self.group.live_comm(f"the {'backward' if backward else 'forward'} pass of halo_exchange number {call}")
         part = self._pass(call, backward)
@@ -368,6 +371,8 @@ class Plan:
         claimed around it, as ``_pass`` claims it), else ``run``, whose Python pass's torch ops then record no
         autograd history.  ``x``: contiguous, of the plan's shape, no conjugate or negative view, no torch.func
         transform active (``_recordable``)."""
+        if validate.single_threaded:  # before the call takes a number: nothing is done
+            validate.check_thread("halo_exchange (the forward pass)")
         side = self.side
         with side.lock:  # the number and the slot in one go
             call = side.halo_calls
@@ -380,6 +385,8 @@ class Plan:
         """H* of call ``call`` in place on ``x``, as ``fill`` runs H: the native nodes' first-order backward (grad
         mode off, no tangent, no profiler) on its gradient, or on the gradient's copy where something else holds
         it."""
+        if validate.single_threaded:
+            validate.check_thread(f"halo_exchange (the backward pass of call {call})")
         with self.side.lock:
             kernel = self._claim(call, True)
         self._fill(x, call, True, kernel)
@@ -846,6 +853,8 @@ class HaloRequest:
         Raises:
             RuntimeError: it was already completed.
         """
+        if validate.single_threaded:  # refused before the request is taken: the first thread may still wait for it
+            validate.check_thread("HaloRequest.wait")
         # batched where the start was (on a member whose block is not, by the zero of _graph.vmapped, as the start)
         zero = _graph.vmapped() if self._flight.batched else ()
         return apply(_Finish, self._x, self._token, self._plan, self._call, self._flight, *zero)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 from mpi4py import MPI
-from world import RANK, SIZE
+from world import RANK, SIZE, in_threads, refused_on_another_thread
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src import engine, settings
@@ -582,3 +583,89 @@ def test_the_compiled_pass_refuses_a_backward_that_would_not_add() -> None:
             engine.accel.HaloPass(adjoint=adjoint, add=add, **common)
     done = engine.accel.HaloPass(adjoint=True, add="d", **common).run(0)  # nothing to do: done, or checked mode's
     assert done is (NotImplemented if settings.state.checked else None)
+
+
+def test_threads_that_each_exchange_on_a_group_of_their_own() -> None:
+    """Threads that each run forward and backward passes of both halo exchanges, out of place (its guard on the
+    thread's input) and in place, on a group and an input of their own, all at once: each thread's gradient equals
+    the same steps run on one thread (under MPI_THREAD_MULTIPLE; below it the package refuses the second thread)."""
+    from tensorplay_p2p._src.p2p import validate
+
+    threads, steps = 3, 20
+    carts = [_cart((0, 0), (True, False)) for _ in range(threads)]  # made alike on every member, in one order
+    block = Block(carts[0], 1, True)
+    weights = [
+        torch.arange(math.prod(block.shape), dtype=torch.float64).reshape(block.shape) % (5 + t) for t in range(threads)
+    ]
+
+    def run(t: int, leaf: torch.Tensor) -> None:
+        for step in range(steps):
+            y = ag.halo_exchange(leaf * (step + 1), carts[t], 1, True)
+            ag.halo_exchange_(y, carts[t], 1, True)
+            (y * weights[t]).sum().backward()
+
+    start = torch.full(block.shape, float(RANK + 1), dtype=torch.float64)
+    want = []
+    for t in range(threads):  # one after the other, on this thread
+        leaf = start.clone().requires_grad_(True)
+        run(t, leaf)
+        want.append(leaf.grad)
+    leaves = [start.clone().requires_grad_(True) for _ in range(threads)]
+    failures, alive = in_threads(lambda t: run(t, leaves[t]), threads)
+    assert not alive
+    if validate.single_threaded:
+        assert failures and all("thread" in str(failure) for failure in failures), failures
+        return
+    assert not failures, failures
+    for t in range(threads):
+        assert torch.equal(leaves[t].grad, want[t]), t
+
+
+@pytest.mark.parametrize("form", ["out of place", "in place", "split"])
+def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below MPI_THREAD_MULTIPLE, forward and backward passes of a halo exchange on another thread than the first
+    are refused before anything is posted, on every member alike (the plans reused, made on the first thread); the
+    first thread's passes then run as if nothing had been tried."""
+    import threading
+
+    from tensorplay_p2p._src.p2p import validate
+
+    cart = _cart((0, 0), (True, False))
+    block = Block(cart, 1, True)
+    x = torch.randn(block.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    w = torch.randn(block.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK + 50))
+
+    def forward(leaf: torch.Tensor) -> Any:
+        if form == "out of place":
+            return ag.halo_exchange(leaf, cart, 1, True)
+        if form == "in place":
+            return ag.halo_exchange_(leaf * 1, cart, 1, True)
+        return ag.halo_exchange_start(leaf, cart, 1, True)
+
+    def finish(y: Any) -> Any:
+        return y.wait() if form == "split" else y
+
+    def gradient() -> torch.Tensor:
+        leaf = x.clone().requires_grad_(True)
+        (finish(forward(leaf)) * w).sum().backward()
+        assert leaf.grad is not None
+        return leaf.grad
+
+    want = gradient()  # the plans made, on this thread
+    monkeypatch.setattr(validate, "single_threaded", True)
+    monkeypatch.setattr(validate, "first_thread", threading.get_ident())
+
+    leaf = x.clone().requires_grad_(True)
+    assert refused_on_another_thread(lambda: forward(leaf)).startswith("halo_exchange (the forward pass")
+    y = forward(leaf)
+    if form == "split":
+        assert refused_on_another_thread(y.wait).startswith("HaloRequest.wait")
+    loss = (finish(y) * w).sum()
+    assert refused_on_another_thread(lambda: loss.backward(retain_graph=True)).startswith(
+        "halo_exchange (the backward pass"
+    )
+    loss.backward()
+    assert torch.equal(leaf.grad, want)
+    assert torch.equal(gradient(), want)  # nothing of the refused calls is left in flight

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from arraykinds import ArrayKind
 from fakedevice import FakeAdapter, FakeDeviceArray
-from world import NEXT, PREV, RANK, WAIT, shared
+from world import NEXT, PREV, RANK, WAIT, refused_on_another_thread, shared
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src.memory import devices
@@ -78,22 +80,50 @@ def test_plan_refusals() -> None:
         dist.P2PPlan(dist.P2POp(dist.isend, buf, NEXT))  # type: ignore[arg-type]
 
 
+def _plan_or_halo(cls: str, into: np.ndarray, tag: int) -> dist.P2PPlan | dist.HaloExchange:
+    """A ring's P2PPlan receiving into ``into`` (2 elements: the previous rank's number), or a HaloExchange."""
+    if cls == "plan":
+        ops = [
+            dist.P2POp(dist.irecv, into, PREV, tag=tag),
+            dist.P2POp(dist.isend, np.full(2, float(RANK)), NEXT, tag=tag),
+        ]
+        return dist.P2PPlan(ops)
+    return dist.HaloExchange(np.zeros(6), dist.new_cart_group([dist.get_world_size()], periods=True))
+
+
 @pytest.mark.parametrize("cls", ["plan", "halo"])
 @pytest.mark.parametrize(("timeout", "error"), [("soon", TypeError), (-1.0, ValueError)])
 def test_a_bad_exchange_timeout_is_refused_before_the_step_starts(cls: str, timeout: object, error: type) -> None:
     into = np.zeros(2)
-    if cls == "plan":
-        ops = [
-            dist.P2POp(dist.irecv, into, PREV, tag=71),
-            dist.P2POp(dist.isend, np.full(2, float(RANK)), NEXT, tag=71),
-        ]
-        exchange: dist.P2PPlan | dist.HaloExchange = dist.P2PPlan(ops)
-    else:
-        exchange = dist.HaloExchange(np.zeros(6), dist.new_cart_group([dist.get_world_size()], periods=True))
-    with exchange:
+    with _plan_or_halo(cls, into, 71) as exchange:
         with pytest.raises(error, match="timeout"):
             exchange.exchange(timeout=timeout)  # type: ignore[arg-type]
         exchange.exchange(timeout=WAIT)  # nothing was started: the next step runs
+    if cls == "plan":
+        assert into.tolist() == [float(PREV)] * 2
+
+
+@pytest.mark.parametrize("cls", ["plan", "halo"])
+def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
+    cls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below MPI_THREAD_MULTIPLE a plan built on the first thread refuses every step call from another, before
+    anything is posted (``exchange``, ``start``), or leaving the step to the first thread (``wait``)."""
+    from tensorplay_p2p._src.p2p import validate
+
+    into = np.zeros(2)
+    exchange = _plan_or_halo(cls, into, 72)
+    monkeypatch.setattr(validate, "single_threaded", True)
+    monkeypatch.setattr(validate, "first_thread", threading.get_ident())
+    name = type(exchange).__name__
+    with exchange:
+        for call in ("exchange", "start"):
+            message = refused_on_another_thread(getattr(exchange, call))
+            assert message.startswith(f"{name}.{call}: called from a second thread"), message
+        exchange.exchange(timeout=WAIT)  # nothing was posted: the next step runs
+        exchange.start()
+        assert refused_on_another_thread(exchange.wait).startswith(f"{name}.wait: called from a second thread")
+        exchange.wait(timeout=WAIT)  # the step was left in flight for this thread
     if cls == "plan":
         assert into.tolist() == [float(PREV)] * 2
 

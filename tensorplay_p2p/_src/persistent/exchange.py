@@ -36,7 +36,7 @@ from mpi4py import MPI
 from .. import errors
 from ..errors import CommunicationError, MessageSizeError
 from ..memory import buffers, devices, layouts
-from ..p2p import checked
+from ..p2p import checked, validate
 from ..p2p.work import poll
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
@@ -206,11 +206,14 @@ class PersistentExchange:
 
         Raises:
             RuntimeError: it has been closed; its group has been destroyed; the previous step has not been waited
-                for; a torch tensor was reallocated (``resize_``, ``set_``) after it was built.
+                for; a torch tensor was reallocated (``resize_``, ``set_``) after it was built; a call from a second
+                thread when MPI is not ``MPI_THREAD_MULTIPLE``.
         """
         self._start("start")
 
     def _start(self, call: str) -> None:
+        if validate.single_threaded:  # read at each call, as the ops read it
+            validate.check_thread(f"{self._what}.{call}")
         if self._closed:
             raise RuntimeError(f"{self._what}.{call}: it has been closed")
         if self._group.communicator is None:
@@ -257,7 +260,8 @@ class PersistentExchange:
             None.
 
         Raises:
-            RuntimeError: ``start()`` was not called.
+            RuntimeError: ``start()`` was not called; a call from a second thread when MPI is not
+                ``MPI_THREAD_MULTIPLE`` (the step stays in flight, for the first thread to wait on).
             CommunicationTimeout: ``timeout`` expired (listing the pending messages); the step stays in flight and
                 can be waited on again.
             MessageSizeError: a message is shorter or longer than its region.
@@ -268,6 +272,8 @@ class PersistentExchange:
         """
         if not self._active:
             raise RuntimeError(f"{self._what}.wait: start() was not called")
+        if validate.single_threaded:  # started on the first thread, waited for on another: refused, still waitable
+            validate.check_thread(f"{self._what}.wait")
         limit = None if timeout is None else seconds(timeout, "timeout")
         try:
             if limit is None:
@@ -357,6 +363,7 @@ class PersistentExchange:
             and not self._closed
             and self._group.communicator is not None
             and not watchdog.active
+            and not validate.single_threaded
         ):
             for destination, source in self._packs:
                 _copyto(destination, source)
