@@ -14,7 +14,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from world import NEXT, PREV, RANK, SIZE, WAIT, exchange_and_check, in_threads
+from world import (
+    NEXT,
+    PREV,
+    RANK,
+    SIZE,
+    WAIT,
+    exchange_and_check,
+    in_threads,
+    refused_on_another_thread,
+    wait_or_cancel,
+)
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src.memory import devices, layouts
@@ -127,6 +137,42 @@ def test_second_thread_is_refused_when_the_library_is_not_thread_multiple(monkey
     th.start()
     th.join()
     assert isinstance(caught[0], RuntimeError) and "needs MPI_THREAD_MULTIPLE" in str(caught[0])
+
+
+def test_waits_and_tests_on_a_second_thread_are_refused_and_left_to_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below MPI_THREAD_MULTIPLE a handle posted on the first thread cannot be waited for or tested on another
+    (``Work``, ``BatchWork``, a collective's): each call is refused before MPI is called, and the first thread then
+    completes every one of them with the right values."""
+    from tensorplay_p2p._src.p2p import validate
+
+    monkeypatch.setattr(validate, "single_threaded", True)
+    monkeypatch.setattr(validate, "first_thread", threading.get_ident())
+    single = np.zeros(4)
+    batched = np.zeros(4)
+    summed = np.full(3, float(RANK))
+    recv = dist.irecv(single, PREV, tag=41)
+    batch = dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, batched, PREV, tag=42), dist.P2POp(dist.isend, np.full(4, RANK + 10.0), NEXT, tag=42)]
+    )
+    collective = dist.all_reduce(summed, async_op=True)
+    assert collective is not None
+    for call, what in [
+        (recv.wait, "Work.wait"),
+        (recv.test, "Work.test"),
+        (recv.is_completed, "Work.test"),
+        (batch.wait, "BatchWork.wait"),
+        (batch.test, "BatchWork.test"),
+        (collective.wait, "Work.wait of all_reduce"),
+        (collective.test, "Work.test of all_reduce"),
+    ]:
+        assert refused_on_another_thread(call).startswith(f"{what}"), what
+    send = dist.isend(np.full(4, RANK + 20.0), NEXT, tag=41)
+    wait_or_cancel([recv, send])
+    batch.wait(timeout=WAIT)
+    collective.wait(timeout=WAIT)
+    np.testing.assert_array_equal(single, np.full(4, PREV + 20.0))
+    np.testing.assert_array_equal(batched, np.full(4, PREV + 10.0))
+    np.testing.assert_array_equal(summed, np.full(3, float(SIZE * (SIZE - 1) // 2)))
 
 
 def _capture(call: Callable[[], Any]) -> BaseException | None:

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from .. import errors
 from ..errors import CommunicationError
 from ..memory.buffers import host_contiguous
-from ..p2p import profiling, work
+from ..p2p import profiling, validate, work
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds
@@ -203,6 +203,8 @@ class CollectiveWork:
         """
         if timeout is None:
             timeout = self._timeout
+        if self._state == _PENDING and validate.single_threaded:  # read at each call, as the collectives read it
+            validate.check_thread(f"Work.wait of {self._name}")
         if self._state == _PENDING and timeout is None:  # blocks here, in this frame: signals names it
             requests = self._requests
             statuses = None if len(requests) == 1 else self._statuses_of(requests)
@@ -240,6 +242,8 @@ class CollectiveWork:
         """
         if self._state != _PENDING:
             return True
+        if validate.single_threaded:
+            validate.check_thread(f"Work.test of {self._name}")
         requests = self._requests
         statuses = None if len(requests) == 1 else self._statuses_of(requests)
         try:

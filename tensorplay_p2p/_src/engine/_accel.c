@@ -1016,7 +1016,8 @@ work_wait(WorkObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *k
                (self->after == Py_None || Py_TYPE(self->after) == &Packed_Type) && self->group != NULL &&
                self->nbytes != NULL && PyLong_CheckExact(self->nbytes) &&
                PyObject_TypeCheck(self->request, &PyMPIRequest_Type) &&
-               PyDict_GetItemWithError(watchdog_dict, s_active) == Py_False;
+               PyDict_GetItemWithError(watchdog_dict, s_active) == Py_False &&
+               PyDict_GetItemWithError(validate_dict, s_single_threaded) == Py_False; /* else Python's thread rule */
     if (!lean)
         return HANDED(C_WORK_WAIT, call_reference(ref_work_wait, (PyObject *)self, args, nargs, kwnames));
     int receive = self->receive == Py_True;
@@ -1504,7 +1505,7 @@ batch_wait(BatchObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
 {
     calls_made[C_BATCH_WAIT]++;
     if (!(self->lean && !self->busy && nargs <= 1 && kwnames == NULL && (nargs == 0 || args[0] == Py_None) &&
-          state_is(self->state, PENDING)))
+          state_is(self->state, PENDING) && PyDict_GetItemWithError(validate_dict, s_single_threaded) == Py_False))
         return self->lean && state_is(self->state, DONE) && nargs == 0 && kwnames == NULL
                    ? Py_NewRef(Py_True) /* completed here: every op succeeded */
                    : HANDED(C_BATCH_WAIT, call_reference(ref_batch_wait, (PyObject *)self, args, nargs, kwnames));

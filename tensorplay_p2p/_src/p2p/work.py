@@ -31,6 +31,7 @@ from ..errors import CommunicationError
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds
+from . import validate
 
 if TYPE_CHECKING:
     from ..memory.buffers import Resolved
@@ -294,6 +295,8 @@ class Work(_WorkBase):
             ValueError: a ``timeout`` that is not positive.
         """
         if self._state == _PENDING:
+            if validate.single_threaded:  # read at each call, as the ops read it
+                validate.check_thread("Work.wait")
             if timeout is None:
                 status = _Status() if self._receive else None
                 try:
@@ -334,6 +337,8 @@ class Work(_WorkBase):
         """
         if self._state != _PENDING:
             return True
+        if validate.single_threaded:
+            validate.check_thread("Work.test")
         status = _Status() if self._receive else None
         try:
             done = self._request.Test(status)
@@ -598,6 +603,8 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
             TypeError: a ``timeout`` that is not a number or a ``timedelta`` (a ``bool`` included).
             ValueError: a ``timeout`` that is not positive.
         """
+        if validate.single_threaded and any(w._state == _PENDING for w in self._works):
+            validate.check_thread("BatchWork.wait")
         if timeout is not None:
             limit = seconds(timeout, "timeout")
             assert limit is not None
@@ -679,6 +686,8 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
         pending = [w for w in self._works if w._state == _PENDING]
         if not pending:
             return True
+        if validate.single_threaded:
+            validate.check_thread("BatchWork.test")
         statuses: list[MPI.Status] = []
         try:
             done = _Testall([w._request for w in pending], statuses)
