@@ -92,6 +92,7 @@ def _directions(widths: Widths, corners: bool) -> list[tuple[int, ...]]:
 
 SLOTS = 4  # message sets per plan: exchanges of one shape that may be in flight at once, and the tags' cycle
 _KEYS = tuple(tuple((slot, backward) for slot in range(SLOTS)) for backward in (False, True))  # (slot, backward)
+_FORWARD = "halo_exchange (the forward pass)"  # what the thread rule names: no call number is taken yet
 
 
 class _Pass:
@@ -290,7 +291,7 @@ class Plan:
     def _start(self, x: Any, call: int, backward: bool, whole: bool) -> Pending | None:
         """``start``; ``whole``: the whole pass where its compiled body runs it (then None is returned)."""
         if validate.single_threaded:  # before the slot is claimed: nothing is posted
-            validate.check_thread(f"halo_exchange (the {'backward' if backward else 'forward'} pass of call {call})")
+            validate.check_thread(f"halo_exchange (the backward pass of call {call})" if backward else _FORWARD)
         if self.group.communicator is None:  # destroyed: raises, naming it
             self.group.live_comm(f"the {'backward' if backward else 'forward'} pass of halo_exchange number {call}")
         part = self._pass(call, backward)
@@ -372,7 +373,7 @@ class Plan:
         autograd history.  ``x``: contiguous, of the plan's shape, no conjugate or negative view, no torch.func
         transform active (``_recordable``)."""
         if validate.single_threaded:  # before the call takes a number: nothing is done
-            validate.check_thread("halo_exchange (the forward pass)")
+            validate.check_thread(_FORWARD)
         side = self.side
         with side.lock:  # the number and the slot in one go
             call = side.halo_calls
@@ -497,7 +498,10 @@ def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
 
 
 def number(plan: Plan) -> int:
-    """The next call number of ``plan``'s group: every member numbers its halo exchanges alike."""
+    """The next call number of ``plan``'s group: every member numbers its halo exchanges alike (a call from a second
+    thread that the thread rule refuses takes none)."""
+    if validate.single_threaded:
+        validate.check_thread(_FORWARD)
     with plan.side.lock:
         call = plan.side.halo_calls
         plan.side.halo_calls = call + 1
@@ -542,8 +546,9 @@ class _Fill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        _graph.ran(ctx)
-        return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
+        result = apply(_AddBack, grad, ctx.plan, ctx.call)
+        _graph.ran(ctx)  # once it ran: a refused or failed adjoint leaves its duty to the input's guard
+        return (result, *([None] * ctx.extra))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
@@ -620,8 +625,9 @@ class _FillInPlace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        _graph.ran(ctx)
-        return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
+        result = apply(_AddBack, grad, ctx.plan, ctx.call)
+        _graph.ran(ctx)  # once it ran, as _Fill's
+        return (result, *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:
@@ -824,12 +830,13 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        _graph.ran(ctx)
         if torch.is_grad_enabled():  # create_graph: the adjoint whole, differentiable, and nothing left to _Start
-            return (apply(_AddBack, grad, ctx.plan, ctx.call), *([None] * ctx.extra))
-        local = grad.clone(memory_format=torch.contiguous_format)
-        ctx.flight.backward = ctx.plan.start(local, ctx.call, True)
-        return (local, *([None] * ctx.extra))
+            result = apply(_AddBack, grad, ctx.plan, ctx.call)
+        else:
+            result = grad.clone(memory_format=torch.contiguous_format)
+            ctx.flight.backward = ctx.plan.start(result, ctx.call, True)
+        _graph.ran(ctx)  # once it ran, as _Fill's
+        return (result, *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, tangent: Any, *_: Any) -> Any:

@@ -287,11 +287,12 @@ struct HaloExchangeBackward : public HaloExchangeBackwardBase {
     variable_list
     apply(variable_list &&grads) override
     {
-        if (duty) {
+        variable_list out = HaloExchangeBackwardBase::apply(std::move(grads));
+        if (duty) { // once its adjoint ran (one refused or failed leaves its duty to the input's guard)
             duty->ever_ran = true;
             duty->ran += 1; // this pass ran the node: the input's guard lets the gradient through as it is
         }
-        return HaloExchangeBackwardBase::apply(std::move(grads));
+        return out;
     }
 
     std::string

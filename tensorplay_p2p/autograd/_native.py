@@ -107,7 +107,7 @@ def import_build(path: Path) -> ModuleType:
     """The module built at ``path`` (``build``), imported once a process."""
     name = path.stem
     loaded = sys.modules.get(name)
-    if loaded is not None:  # built in this process (``build``), or loaded before
+    if loaded is not None:  # imported before in this process (``build`` leaves its module out of sys.modules)
         return loaded
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)

@@ -98,8 +98,9 @@ class _Batch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        _graph.ran(ctx)
-        return (None, None, *_adjoint(ctx.pg, ctx.messages, grads), *([None] * ctx.extra))
+        adjoint = _adjoint(ctx.pg, ctx.messages, grads)
+        _graph.ran(ctx)  # once it ran: a refused or failed adjoint leaves its duty to the inputs' guards
+        return (None, None, *adjoint, *([None] * ctx.extra))
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:

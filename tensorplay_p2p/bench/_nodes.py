@@ -32,7 +32,7 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
 
 The C++ (``_nodes.cpp``) is built by the first run for a torch and a source, with ``torch.utils.cpp_extension`` (a
-C++ compiler and ninja; about 20 s here), into the cache folder of the native nodes' build (``autograd._native``),
+C++ compiler and ninja; 15-20 s here), into the cache folder of the native nodes' build (``autograd._native``),
 and loaded from there by later runs.  Where it cannot be built, its series are left out and the reason said.
 """
 

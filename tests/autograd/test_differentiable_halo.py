@@ -125,10 +125,10 @@ def test_one_message_to_and_from_each_neighbouring_process(grid: tuple[object, .
     directions = _halo._directions(plan.widths, corners)
     toward = {cart.neighbor(o) for o in directions} - {MPI.PROC_NULL, cart.rank()}
     from_ = {cart.neighbor(tuple(-d for d in o)) for o in directions} - {MPI.PROC_NULL, cart.rank()}
+    totals = np.array([len(plan.sends), len(plan.receives)], dtype=np.int64)
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)  # first: every member reaches it
     for messages, peers in ((plan.sends, toward), (plan.receives, from_)):
         assert sorted(peer for _, peer in messages) == sorted(peers)
-    totals = np.array([len(plan.sends), len(plan.receives)], dtype=np.int64)
-    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
     assert totals[0] == totals[1]  # every message sent is received
 
 
@@ -623,11 +623,13 @@ def test_threads_that_each_exchange_on_a_group_of_their_own() -> None:
 
 @pytest.mark.parametrize("form", ["out of place", "in place", "split"])
 def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
-    form: str, monkeypatch: pytest.MonkeyPatch
+    form: str, substitutes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Below MPI_THREAD_MULTIPLE, forward and backward passes of a halo exchange on another thread than the first
     are refused before anything is posted, on every member alike (the plans reused, made on the first thread); the
-    first thread's passes then run as if nothing had been tried."""
+    first thread's passes then run as if nothing had been tried: no call number was taken, and a refused backward
+    did not count as its node's run (a pass that then reaches the input alone runs the node's adjoint in its
+    place)."""
     import threading
 
     from tensorplay_p2p._src.p2p import validate
@@ -666,6 +668,11 @@ def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
     assert refused_on_another_thread(lambda: loss.backward(retain_graph=True)).startswith(
         "halo_exchange (the backward pass"
     )
+    if form == "out of place":  # its guard on the input: the refused backward left the node's duty owed
+        leaf.sum().backward()
+        assert len(substitutes) == 1 and torch.equal(leaf.grad, torch.ones_like(x))
+        leaf.grad = None
     loss.backward()
     assert torch.equal(leaf.grad, want)
     assert torch.equal(gradient(), want)  # nothing of the refused calls is left in flight
+    assert len(substitutes) == (1 if form == "out of place" else 0)

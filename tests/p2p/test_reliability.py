@@ -141,8 +141,8 @@ def test_second_thread_is_refused_when_the_library_is_not_thread_multiple(monkey
 
 def test_waits_and_tests_on_a_second_thread_are_refused_and_left_to_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below MPI_THREAD_MULTIPLE a handle posted on the first thread cannot be waited for or tested on another
-    (``Work``, ``BatchWork``, a collective's): each call is refused before MPI is called, and the first thread then
-    completes every one of them with the right values."""
+    (``Work``, ``BatchWork``, a collective's) or cancelled there: each call is refused before MPI is called, and the
+    first thread then completes every one of them with the right values."""
     from tensorplay_p2p._src.p2p import validate
 
     monkeypatch.setattr(validate, "single_threaded", True)
@@ -151,25 +151,28 @@ def test_waits_and_tests_on_a_second_thread_are_refused_and_left_to_the_first(mo
     batched = np.zeros(4)
     summed = np.full(3, float(RANK))
     recv = dist.irecv(single, PREV, tag=41)
+    send = dist.isend(np.full(4, RANK + 20.0), NEXT, tag=41)  # every message posted: a wait that ran would not hang
     batch = dist.batch_isend_irecv(
         [dist.P2POp(dist.irecv, batched, PREV, tag=42), dist.P2POp(dist.isend, np.full(4, RANK + 10.0), NEXT, tag=42)]
     )
     collective = dist.all_reduce(summed, async_op=True)
     assert collective is not None
-    for call, what in [
-        (recv.wait, "Work.wait"),
-        (recv.test, "Work.test"),
-        (recv.is_completed, "Work.test"),
-        (batch.wait, "BatchWork.wait"),
-        (batch.test, "BatchWork.test"),
-        (collective.wait, "Work.wait of all_reduce"),
-        (collective.test, "Work.test of all_reduce"),
-    ]:
-        assert refused_on_another_thread(call).startswith(f"{what}"), what
-    send = dist.isend(np.full(4, RANK + 20.0), NEXT, tag=41)
-    wait_or_cancel([recv, send])
-    batch.wait(timeout=WAIT)
-    collective.wait(timeout=WAIT)
+    try:
+        for call, what in [
+            (recv.wait, "Work.wait"),
+            (recv.test, "Work.test"),
+            (recv.is_completed, "Work.test"),
+            (recv.cancel, "Work.cancel"),
+            (batch.wait, "BatchWork.wait"),
+            (batch.test, "BatchWork.test"),
+            (collective.wait, "Work.wait of all_reduce"),
+            (collective.test, "Work.test of all_reduce"),
+        ]:
+            assert refused_on_another_thread(call).startswith(what), what
+    finally:  # every member completes every handle, whatever was refused
+        wait_or_cancel([recv, send])
+        batch.wait(timeout=WAIT)
+        collective.wait(timeout=WAIT)
     np.testing.assert_array_equal(single, np.full(4, PREV + 20.0))
     np.testing.assert_array_equal(batched, np.full(4, PREV + 10.0))
     np.testing.assert_array_equal(summed, np.full(3, float(SIZE * (SIZE - 1) // 2)))

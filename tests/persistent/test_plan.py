@@ -108,7 +108,8 @@ def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
     cls: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Below MPI_THREAD_MULTIPLE a plan built on the first thread refuses every step call from another, before
-    anything is posted (``exchange``, ``start``), or leaving the step to the first thread (``wait``)."""
+    anything is posted (``exchange``, ``start``), leaving the step to the first thread (``wait``), or leaving the plan
+    open (``close``)."""
     from tensorplay_p2p._src.p2p import validate
 
     into = np.zeros(2)
@@ -124,6 +125,8 @@ def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
         exchange.start()
         assert refused_on_another_thread(exchange.wait).startswith(f"{name}.wait: called from a second thread")
         exchange.wait(timeout=WAIT)  # the step was left in flight for this thread
+        assert refused_on_another_thread(exchange.close).startswith(f"{name}.close: called from a second thread")
+        exchange.exchange(timeout=WAIT)  # still open
     if cls == "plan":
         assert into.tolist() == [float(PREV)] * 2
 

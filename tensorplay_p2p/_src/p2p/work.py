@@ -477,9 +477,12 @@ class Work(_WorkBase):
 
         Raises:
             CommunicationError: the operation is a pending send: sends cannot be cancelled (MPI 4 deprecates it).
+            RuntimeError: a call from a second thread when MPI is not ``MPI_THREAD_MULTIPLE`` (nothing is cancelled).
         """
         if self._state != _PENDING:
             return False
+        if validate.single_threaded:
+            validate.check_thread("Work.cancel")
         if not self._receive:
             raise CommunicationError(
                 f"{self.describe()}: a send cannot be cancelled; wait for it (with a timeout) instead", op="isend"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -363,7 +364,7 @@ class PersistentExchange:
             and not self._closed
             and self._group.communicator is not None
             and not watchdog.active
-            and not validate.single_threaded
+            and (not validate.single_threaded or validate.first_thread == _get_ident())  # the thread rule's thread
         ):
             for destination, source in self._packs:
                 _copyto(destination, source)
@@ -465,7 +466,16 @@ class PersistentExchange:
         """Free the persistent requests, datatypes and staging buffers; waits for a step in flight first.
 
         Calling it again does nothing.
+
+        Raises:
+            RuntimeError: a call from a second thread when MPI is not ``MPI_THREAD_MULTIPLE`` (nothing is freed).
         """
+        if not self._closed and validate.single_threaded:
+            validate.check_thread(f"{self._what}.close")
+        self._close()
+
+    def _close(self) -> None:
+        """``close``, on whatever thread runs it (``__del__``: the garbage collector's)."""
         if self._closed:
             return
         self._closed = True
@@ -497,7 +507,7 @@ class PersistentExchange:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close()
+            self._close()
 
 
 class _LeanStep:
