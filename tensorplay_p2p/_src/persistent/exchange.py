@@ -524,4 +524,4 @@ class _LeanStep:
 
 signals.register_wait(PersistentExchange.wait, lambda scope, now: scope["self"].pending_lines(now))
 signals.register_wait(PersistentExchange.exchange, lambda scope, now: scope["self"].pending_lines(None))
-signals.register_wait(PersistentExchange.close, lambda scope, now: scope["self"].pending_lines(now))
+signals.register_wait(PersistentExchange._close, lambda scope, now: scope["self"].pending_lines(now))
