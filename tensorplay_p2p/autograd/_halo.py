@@ -241,6 +241,11 @@ class Plan:
         self.receive_spans = _spans([g.numel() for _, _, g in receives])
         self._passes: dict[tuple[int, bool], _Pass] = {}
         self._lock = threading.Lock()
+        # each slot's compiled backward pass, once made (``_pass``; None until then, or where the Python pass runs it)
+        self.adjoint_kernels: list[Any] = [None] * SLOTS
+        # what the native nodes' lean adjoint reads to claim a slot and run its compiled pass with no Python
+        # (``autograd/_native.cpp``), as ``fill_adjoint`` does: fixed for the plan's life
+        self.native = (self.side.lock, self.side.halo_busy, group, self.adjoint_kernels, _KEYS[True])
 
     def message_sets(self) -> int:
         """How many sets of buffers and persistent requests the plan has made: one per slot and pass used, at most
@@ -268,6 +273,8 @@ class Plan:
                 if part is None:
                     with torch._C._DisableFuncTorch():  # buffers of no program: no transform wraps them
                         part = self._passes[key] = _Pass(self, key[0], backward)
+                    if backward:
+                        self.adjoint_kernels[key[0]] = part.kernel
         except BaseException:
             self._release(call, backward, None)
             raise
@@ -391,6 +398,11 @@ class Plan:
         with self.side.lock:
             kernel = self._claim(call, True)
         self._fill(x, call, True, kernel)
+
+    def adjoint_failed(self, call: int, result: Any) -> None:
+        """Raise the error of the backward pass of call ``call`` that the native nodes ran in the compiled engine with
+        no Python (``result``: what the pass returned; its slot released), as ``_fill`` raises it."""
+        raise self._failure(self._passes[_KEYS[True][call % SLOTS]], call, True, result)
 
     def _claim(self, call: int, backward: bool) -> Any:
         """Under the group's lock: the compiled body of ``call``'s slot, claimed, where it is made and free; else

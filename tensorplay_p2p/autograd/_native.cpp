@@ -12,7 +12,8 @@
 //   gradient that runs the exchange's backward where a backward pass reaches the input but not the node.
 //
 // Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on the gradient where
-// nothing else holds it, else on its copy (``Plan.fill_adjoint``, as ``Plan.fill`` runs the forward); else the Python
+// nothing else holds it, else on its copy (the compiled engine's pass run from here with no Python, the slot claimed
+// here as ``Plan.fill_adjoint`` claims it, where the engine takes it; else ``Plan.fill_adjoint``); else the Python
 // function ``set_functions`` installed (the one the Python nodes' backward runs: ``autograd._halo.adjoint``,
 // differentiable in turn), with the GIL held.  A node holds the exchange's plan (a Python object) and its call number.
 // It takes no anchor (the Python node's last input, ``autograd._graph.anchor``): it is made its output's history
@@ -43,9 +44,22 @@ using torch::autograd::variable_list;
 static PyObject *adjoint = nullptr;           // owned: autograd._halo.adjoint(grad, plan, call)
 static PyObject *substitute = nullptr;        // owned: autograd._halo._substitute(plan, call)
 static PyObject *fill_adjoint_name = nullptr; // "fill_adjoint"; held for good
+static PyObject *adjoint_failed_name = nullptr, *native_name = nullptr, *acquire_name = nullptr,
+                *release_name = nullptr; // held for good
 
-// How many lean adjoints ran in place on the gradient they were given, and how many on its copy (``counts``).
-static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0};
+// The compiled engine's passes for a caller that runs no Python (``_accel.c``'s ``native_api`` capsule, as it
+// declares it), handed over by ``set_engine``; none with the pure-Python engine.
+static const char *const NATIVE_API = "tensorplay_p2p._src.engine._accel.native_api";
+struct NativeApi {
+    int version; // 1
+    int (*halo_may_run)(PyObject *group);
+    PyObject *(*halo_run)(PyObject *pass, PyObject *group, void *flat);
+};
+static const NativeApi *native_api = nullptr;
+
+// How many lean adjoints ran in place on the gradient they were given, and how many on its copy; and how many of
+// them ran the engine's compiled pass from here, with no Python (``counts``).
+static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0}, adjoints_without_python{0};
 
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
 // ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
@@ -107,11 +121,16 @@ struct Call {
             .cast<Tensor>();
     }
 
-    // ``plan.fill_adjoint(y, number)``: H* in place on ``y``, with the GIL held.
+    // H* in place on ``y`` (contiguous, of the plan's shape, plain), with the GIL held: the engine's compiled pass
+    // run from here where it takes it (``without_python``), else ``plan.fill_adjoint(y, number)``.
     void
     fill_adjoint(const Tensor &y) const
     {
         py::gil_scoped_acquire gil;
+        if (without_python(y)) {
+            adjoints_without_python.fetch_add(1, std::memory_order_relaxed);
+            return;
+        }
         py::object given = py::cast(y);
         call("halo_exchange", [&](PyObject *number_) {
             return PyObject_CallMethodObjArgs(plan, fill_adjoint_name, given.ptr(), number_, nullptr);
@@ -119,6 +138,108 @@ struct Call {
     }
 
   private:
+    // ``Plan.fill_adjoint``'s common case with no Python code run, the GIL held: where the engine takes the pass now
+    // (``native_api``'s ``halo_may_run``: as ``_fill`` asks, and the thread rule), the slot of this call's backward
+    // pass claimed on the group, under the group's lock, where its compiled pass is made and free (``Plan._claim``),
+    // the pass run by the engine, the slot released.  True when done; false where nothing was done (no engine, no
+    // compiled pass yet, the engine would not take it, the slot busy): ``fill_adjoint`` then runs it, or says why it
+    // cannot.  A failed pass raises, worded by ``plan.adjoint_failed``.
+    bool
+    without_python(const Tensor &y) const
+    {
+        if (native_api == nullptr || plan == nullptr)
+            return false;
+        // plan.native: (the group's lock, its set of busy slots, the group, the compiled backward passes, the keys)
+        py::object native = py::reinterpret_steal<py::object>(PyObject_GetAttr(plan, native_name));
+        if (!native)
+            throw py::error_already_set();
+        PyObject *t = native.ptr();
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5 || !PyList_Check(PyTuple_GET_ITEM(t, 3)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(t, 4)) ||
+            PyList_GET_SIZE(PyTuple_GET_ITEM(t, 3)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(t, 4)) ||
+            PyList_GET_SIZE(PyTuple_GET_ITEM(t, 3)) == 0)
+            throw std::runtime_error("halo_exchange: the plan's native entry is not what the native nodes read");
+        PyObject *lock = PyTuple_GET_ITEM(t, 0), *busy = PyTuple_GET_ITEM(t, 1), *group = PyTuple_GET_ITEM(t, 2);
+        PyObject *kernels = PyTuple_GET_ITEM(t, 3);
+        const Py_ssize_t slot = static_cast<Py_ssize_t>(number % PyList_GET_SIZE(kernels));
+        py::object kernel = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(kernels, slot));
+        PyObject *key = PyTuple_GET_ITEM(t, 4 /* keys */);
+        key = PyTuple_GET_ITEM(key, slot);
+        if (kernel.is_none())
+            return false;
+        const int may = native_api->halo_may_run(group); // before the claim, as Python checks before it claims
+        if (may <= 0) {
+            if (may < 0)
+                throw py::error_already_set();
+            return false;
+        }
+        void *flat = y.data_ptr();
+        if (!locked(lock, [&] {
+                const int in = PySet_Contains(busy, key);
+                if (in != 0)
+                    return in < 0 ? -1 : 0; // busy: not claimed
+                return PySet_Add(busy, key) == 0 ? 1 : -1;
+            }))
+            return false; // busy: the Python pass says so
+        py::object result;
+        {
+            Claim claim{lock, busy, key}; // released at the end of this block, whatever happens: a whole pass
+            result = py::reinterpret_steal<py::object>(native_api->halo_run(kernel.ptr(), group, flat));
+            if (!result)
+                throw py::error_already_set(); // the error taken before the release
+        }
+        if (result.is(py::none()))
+            return true;
+        if (result.ptr() == Py_NotImplemented)
+            return false;
+        call("halo_exchange", [&](PyObject *number_) { // raises
+            return PyObject_CallMethodObjArgs(plan, adjoint_failed_name, number_, result.ptr(), nullptr);
+        });
+        throw std::runtime_error("halo_exchange: the plan's adjoint_failed returned instead of raising");
+    }
+
+    // A slot claimed in ``busy`` (a set) under ``lock``, released when it goes, as ``Plan._fill`` releases it in its
+    // ``finally``; an error pending then is kept, and one the release itself raises is reported as unraisable.
+    struct Claim {
+        PyObject *lock, *busy, *key; // borrowed: the caller holds them
+
+        ~Claim()
+        {
+            py::error_scope pending;
+            try {
+                locked(lock, [&] { return PySet_Discard(busy, key) < 0 ? -1 : 1; });
+            } catch (py::error_already_set &error) {
+                error.discard_as_unraisable("halo_exchange: releasing the slot of a backward pass");
+            }
+        }
+    };
+
+    // ``step()`` (1: done, 0: not; -1 with a Python error) under ``lock`` (a ``threading.Lock``, taken as Python's
+    // ``with`` takes it: its wait lets other threads run): whether it was done.  An error raises.
+    template <typename Step>
+    static bool
+    locked(PyObject *lock, Step step)
+    {
+        PyObject *taken = PyObject_CallMethodNoArgs(lock, acquire_name);
+        if (taken == nullptr)
+            throw py::error_already_set();
+        Py_DECREF(taken);
+        const int done = step();
+        if (done < 0) {
+            {
+                py::error_scope pending; // the step's error, restored once the lock is released
+                Py_XDECREF(PyObject_CallMethodNoArgs(lock, release_name));
+                PyErr_Clear();
+            }
+            throw py::error_already_set();
+        }
+        PyObject *released = PyObject_CallMethodNoArgs(lock, release_name);
+        if (released == nullptr)
+            throw py::error_already_set();
+        Py_DECREF(released);
+        return done == 1;
+    }
+
     // What ``invoke(number)`` returns, for ``number`` as a Python int, with the GIL held (the caller's): a Python
     // error raises.
     template <typename Invoke>
@@ -521,14 +642,16 @@ fill_out_of_place(py::handle object, const Tensor &y, py::handle plan, int64_t c
     return y;
 }
 
-// What the lean adjoints did in this process: ``{"in place": n, "copied": m}`` (on a gradient that nothing else held,
-// or on its copy).  Python cannot see it otherwise: a tensor it has seen keeps a second reference, and is copied.
+// What the lean adjoints did in this process: ``{"in place": n, "copied": m, "without Python": k}`` (on a gradient that
+// nothing else held, or on its copy; and of them, those whose compiled pass ran from here with no Python).  Python
+// cannot see it otherwise: a tensor it has seen keeps a second reference, and is copied.
 static py::dict
 counts()
 {
     py::dict out;
     out["in place"] = adjoints_in_place.load();
     out["copied"] = adjoints_copied.load();
+    out["without Python"] = adjoints_without_python.load();
     return out;
 }
 
@@ -542,19 +665,43 @@ set_functions(py::object adjoint_, py::object substitute_)
     Py_XDECREF(old_substitute);
 }
 
+// The compiled engine's ``native_api`` capsule, whose passes the lean adjoint runs with no Python; None: none (the
+// pure-Python engine), ``Plan.fill_adjoint`` runs every lean adjoint.
+static void
+set_engine(py::object api)
+{
+    if (api.is_none()) {
+        native_api = nullptr;
+        return;
+    }
+    const auto *given = static_cast<const NativeApi *>(PyCapsule_GetPointer(api.ptr(), NATIVE_API));
+    if (given == nullptr)
+        throw py::error_already_set();
+    if (given->version != 1)
+        throw py::value_error("set_engine: the engine's native_api is of another version than these nodes read");
+    native_api = given;
+}
+
 // The contract with ``autograd._native``: it loads a build whose ``CONTRACT`` is the one it expects, or none.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.attr("CONTRACT") = 3;
+    m.attr("CONTRACT") = 4;
     m.def("recordable", &recordable);
     m.def("fill_in_place", &fill_in_place);
     m.def("copy", &copy);
     m.def("fill_out_of_place", &fill_out_of_place);
     m.def("set_functions", &set_functions);
+    m.def("set_engine", &set_engine);
     m.def("counts", &counts);
     ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
     new_key = reinterpret_cast<PyObject *>(&PyBaseObject_Type);
-    fill_adjoint_name = PyUnicode_InternFromString("fill_adjoint");
-    if (fill_adjoint_name == nullptr)
-        throw py::error_already_set();
+    for (auto [name, text] : {std::pair{&fill_adjoint_name, "fill_adjoint"},
+                              {&adjoint_failed_name, "adjoint_failed"},
+                              {&native_name, "native"},
+                              {&acquire_name, "acquire"},
+                              {&release_name, "release"}}) {
+        *name = PyUnicode_InternFromString(text);
+        if (*name == nullptr)
+            throw py::error_already_set();
+    }
 }

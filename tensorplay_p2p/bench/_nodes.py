@@ -31,6 +31,18 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
     what the op's Python and its node add to each call (left out without the compiled engine);
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
 
+- ``backward``: where the out-of-place exchange's first-order backward spends its time, on the same grid, with the
+  native nodes and the compiled engine (left out elsewhere): ``torch.autograd.grad`` through ``halo_exchange``'s
+  result with the program's cotangent (so the node adds into a copy of it) and ``retain_graph``,
+
+  - ``the pass run from C++``: as the node runs it, the compiled pass with no Python code;
+  - ``through Plan.fill_adjoint``: the same call with the engine's capsule taken from the nodes
+    (``_native.nodes.set_engine(None)``), so that the node calls the Python ``Plan.fill_adjoint``, as it did before
+    it ran the pass itself (each series sets the nodes' engine at each call, so both pay for it);
+  - ``of a clone``: the same call through a ``clone`` of a leaf of its own: what the call costs whatever the graph
+    holds; the two series above less it are the exchange's own backward;
+  - ``forward``: ``halo_exchange`` on a new leaf each call, as ``--autograd``'s ``forward``.
+
 The C++ (``_nodes.cpp``) is built by the first run for a torch and a source, with ``torch.utils.cpp_extension`` (a
 C++ compiler and ninja; 15-20 s here), into the cache folder of the native nodes' build (``autograd._native``),
 and loaded from there by later runs.  Where it cannot be built, its series are left out and the reason said.
@@ -57,6 +69,7 @@ WAYS = ("torch's op", "torch's op without a node", "Python Function", "C++ Funct
 _BARE = ("torch's op without a node", "no node")  # the baselines, timed with no node
 _CPP = ("C++ Function", "C++ Node")
 EXCHANGE = ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
+BACKWARD = ("the pass run from C++", "through Plan.fill_adjoint", "of a clone", "forward")
 ITERATIONS, WARMUP = 20_000, 1_000  # at scale 1
 SIDE = 18  # the 16 x 16 block of ``--autograd`` with its ghost layers
 
@@ -70,6 +83,7 @@ class Nodes:
     why: str
     compiled: bool = True  # whether the package's compiled engine ran the exchange's pass (``its compiled pass``)
     node: str = ""  # the name of the node ``halo_exchange_`` recorded
+    backward: str = "not timed"  # why the ``backward`` series are left out; "" where they are timed
 
 
 def build() -> tuple[Any, str]:
@@ -129,6 +143,50 @@ def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Call
     return bodies, plan.close, str(node.name())
 
 
+def _backward(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], str]:
+    """The ``backward`` series' bodies on ``cart``, what restores the nodes' engine after them, and "", else no
+    bodies and why they are left out."""
+    from tensorplay_p2p._src import engine
+    from tensorplay_p2p.autograd import _native
+    from tensorplay_p2p.autograd import halo_exchange as exchange
+
+    nodes, api = _native.nodes, getattr(engine.accel, "native_api", None)
+    if nodes is None or api is None:
+        return {}, lambda: None, _native.reason if nodes is None else "the compiled engine is not in use"
+    x = torch.randn(SIDE, SIDE, dtype=torch.float64)
+    leaf = x.clone().requires_grad_(True)
+    kept = exchange(leaf, cart, 1, corners=True)
+    unguarded = x.clone().requires_grad_(True)  # a leaf of its own: ``leaf`` carries ``kept``'s guard
+    copied = unguarded.clone()
+    cotangent = torch.ones_like(kept)
+    grad = torch.autograd.grad
+    for _ in range(8):  # every slot's backward pass made: from here on the node runs it
+        exchange(x.clone().requires_grad_(True), cart, 1, corners=True).backward(cotangent)
+
+    def backward(given: Any) -> Any:
+        nodes.set_engine(given)
+        return grad(kept, leaf, cotangent, retain_graph=True)
+
+    def of_a_clone() -> Any:
+        nodes.set_engine(api)
+        return grad(copied, unguarded, cotangent, retain_graph=True)
+
+    def forward() -> Any:
+        nodes.set_engine(api)
+        return exchange(x.detach().requires_grad_(), cart, 1, corners=True)
+
+    before = nodes.counts()["without Python"]
+    backward(api)
+    if nodes.counts()["without Python"] != before + 1:
+        return {}, lambda: nodes.set_engine(api), "the native node did not run the compiled pass (checked mode?)"
+    bodies = [lambda: backward(api), lambda: backward(None), of_a_clone, forward]
+    return (
+        {f"backward: {way}": body for way, body in zip(BACKWARD, bodies, strict=True)},
+        lambda: nodes.set_engine(api),
+        "",
+    )
+
+
 def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
     """Each series' body, checked first to make the node it is timed for."""
     import torch
@@ -169,8 +227,9 @@ def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
     return bodies
 
 
-def names(built: bool, compiled: bool = True) -> list[str]:
-    """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass)."""
+def names(built: bool, compiled: bool = True, backward: bool = False) -> list[str]:
+    """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass;
+    ``backward``: with the backward series)."""
     listed = [
         f"{kind}: {way}"
         for kind in KINDS
@@ -178,7 +237,8 @@ def names(built: bool, compiled: bool = True) -> list[str]:
         if (built or way not in _CPP) and (kind == "in place" or way != "torch's op without a node")
     ]
     listed += ["pybind11 call"] if built else []
-    return listed + [f"exchange: {way}" for way in EXCHANGE if compiled or way != "its compiled pass"]
+    listed += [f"exchange: {way}" for way in EXCHANGE if compiled or way != "its compiled pass"]
+    return listed + ([f"backward: {way}" for way in BACKWARD] if backward else [])
 
 
 def measure_nodes(reps: int, scale: float) -> Nodes | None:
@@ -193,13 +253,16 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
     module, why = build() if COMM.Get_rank() == 0 else (None, "")
     built = COMM.bcast(module is not None, root=0)
     close: Callable[[], None] = lambda: None  # noqa: E731
-    node = ""
+    restore: Callable[[], None] = lambda: None  # noqa: E731
+    node = left_out = ""
     if COMM.Get_rank() == 0:
         bodies = _bodies(module)
         exchange, close, node = _exchange(torch, cart)
-        bodies |= exchange
+        backward, restore, left_out = _backward(torch, cart)
+        bodies |= exchange | backward
     compiled = COMM.bcast(COMM.Get_rank() != 0 or "exchange: its compiled pass" in bodies, root=0)
-    series = names(built, compiled)
+    timed_backward = COMM.bcast(COMM.Get_rank() != 0 or not left_out, root=0)
+    series = names(built, compiled, timed_backward)
     if COMM.Get_rank() == 0:
         loops = [(name, Loop(timed(repeated(bodies[name])))) for name in series]
     else:
@@ -209,9 +272,10 @@ def measure_nodes(reps: int, scale: float) -> Nodes | None:
         median = slowest_medians(time_interleaved(loops, *counts, reps), series)
     finally:
         close()
+        restore()
     if median is None:
         return None
-    return Nodes({name: median[name] * 1e6 for name in series}, why, compiled, node)
+    return Nodes({name: median[name] * 1e6 for name in series}, why, compiled, node, left_out)
 
 
 def baseline(kind: str, way: str) -> str:
@@ -260,4 +324,30 @@ def format_nodes(result: Nodes, markdown: bool = False) -> str:
     table += "\n\n" + format_rows(title, header, rows, markdown)
     if own is None:
         table += "\nits compiled pass is left out: the compiled engine is not in use"
-    return table
+    return table + "\n\n" + _format_backward(result, markdown)
+
+
+def _format_backward(result: Nodes, markdown: bool) -> str:
+    """The ``backward`` table: each series' time, and the exchange's own backward (less the clone's) over the
+    forward; or why the series are left out."""
+    if result.backward:
+        return f"the backward series are left out: {result.backward}"
+    us = {way: result.us[f"backward: {way}"] for way in BACKWARD}
+    clone, forward = us["of a clone"], us["forward"]
+    rows = []
+    for way in BACKWARD:
+        own = way in BACKWARD[:2]
+        rows.append(
+            [
+                way,
+                format_figure(us[way]),
+                format_figure(us[way] - clone) if own else "",
+                f"{(us[way] - clone) / forward:.3g}" if own else "",
+            ]
+        )
+    title = (
+        "halo_exchange's first-order backward on a grid of one process (16x16, 1 ghost layer, corners; "
+        "HaloExchangeBackward; us per call)"
+    )
+    header = ["backward", "us per call", "own (less of a clone)", "own / forward"]
+    return format_rows(title, header, rows, markdown)

@@ -46,7 +46,9 @@ gloo, and the same steps with the package's collectives called directly (``_step
 times the differentiable halo exchange of ``tensorplay_p2p.autograd`` against the persistent one, its backward against
 its forward, a training step against a DistDL-style mpi4py Function, and memory over 10,000 steps (``_autograd``).
 ``--nodes`` (torch only, one process) times one autograd node made each way torch allows, C++ ones built by its first
-run (and cached), and where the package's in-place halo exchange spends a call (``_nodes``).
+run (and cached), where the package's in-place halo exchange spends a call, and its out-of-place exchange's
+first-order backward with the compiled pass run from C++ against the same call through ``Plan.fill_adjoint``
+(``_nodes``).
 
 ``--markdown`` prints the tables as Markdown, ``--json PATH`` writes every figure, with each block's times.  The JSON
 names our side ``tp2p`` whatever the framework (``tp2p_us``, ``tp2p_mbps``, ``tp2p_blocks_us`` ...).  For
@@ -246,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the benchmarks (torch only, one process): one autograd node made each way torch allows (a "
         "Python Function as the package applies its own, torch::autograd::Function in C++, a hand-wired C++ Node, "
-        "torch's own op), the C++ built by the first run, then cached",
+        "torch's own op), the C++ built by the first run, then cached; and where the halo exchange spends a call and "
+        "its first-order backward",
     )
     return parser
 

@@ -24,6 +24,8 @@ from world import RANK, SIZE
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src import engine, settings
+from tensorplay_p2p._src.p2p import validate
+from tensorplay_p2p._src.process import watchdog
 
 torch = pytest.importorskip("torch")
 from tensorplay_p2p import autograd as ag  # noqa: E402
@@ -332,7 +334,7 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
             assert torch.equal(held, v)  # what something else held is untouched
             if before is not None:
                 after = _native.nodes.counts()
-                went.extend(where for where in before for _ in range(after[where] - before[where]))
+                went.extend(where for where in ("in place", "copied") for _ in range(after[where] - before[where]))
             out.append(leaf.grad)
         return out
 
@@ -340,6 +342,117 @@ def test_a_first_order_backward_writes_only_a_gradient_nothing_else_holds(
     if not (RANK == 0 and SIZE > 1):  # rank 0 of several recorded Python nodes in the native run
         assert went[:1] == ["in place"] and went[1:3] == ["copied"] * 2 and went[-2:] == ["copied"] * 2
         assert len(went) == 6  # one lean adjoint a case
+
+
+@pytest.mark.parametrize("form", EXCHANGES, ids=list(EXCHANGES))
+def test_a_first_order_backward_runs_the_compiled_pass_with_no_python(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a slot's compiled backward pass is made, a first-order backward runs it from the node with no Python
+    (counted as ``without Python``), on the compiled engine outside checked mode; where a timeout is set (whose wait
+    the Python pass polls), where the slot is busy (a split exchange holds it), or in checked mode, the Python pass
+    runs it, with the same error where there is one.  Every gradient is the Python node's, bit for bit."""
+    _built()
+    exchange = EXCHANGES[form]
+    cart = dist.new_cart_group((0, 0), (True, False))
+    shape = _shape(cart, 1)
+    x, v = (_field(shape, torch.float64, seed) for seed in range(2))
+    _warm(cart, shape, torch.float64, 1, True)
+    for _ in range(_halo.SLOTS):  # every slot's backward pass made
+        exchange(x.clone().requires_grad_(True) * 1, cart, 1, True).backward(v)
+
+    def backward(timeout: float | None) -> torch.Tensor:
+        leaf = x.clone().requires_grad_(True)
+        y = exchange(leaf * 1, cart, 1, True)
+        monkeypatch.setattr(settings.state, "timeout", timeout)
+        try:
+            (y * v).sum().backward()
+        finally:
+            monkeypatch.setattr(settings.state, "timeout", None)
+        assert leaf.grad is not None
+        return leaf.grad
+
+    def without_python() -> int:
+        return int(_native.nodes.counts()["without Python"])
+
+    lean = _lean()
+    before = without_python()
+    grads = [backward(None) for _ in range(2 * _halo.SLOTS)]
+    assert without_python() - before == (2 * _halo.SLOTS if lean else 0)
+    before = without_python()
+    timed = backward(600.0)
+    assert without_python() == before
+    # the slot of the exchange's backward pass held (as another exchange of the group in flight holds it): the node
+    # leaves it alone and the Python pass refuses, before anything is posted, on every member alike
+    plan = _halo.plan_for(x, cart, 1, True, "test")
+    leaf = x.clone().requires_grad_(True)
+    key = (plan.side.halo_calls % _halo.SLOTS, True)
+    y = exchange(leaf * 1, cart, 1, True)
+    loss = (y * v).sum()
+    with plan.side.lock:
+        plan.side.halo_busy.add(key)
+    before = without_python()
+    try:
+        with pytest.raises(RuntimeError, match="in flight already"):
+            loss.backward(retain_graph=True)
+    finally:
+        with plan.side.lock:
+            plan.side.halo_busy.discard(key)
+    assert without_python() == before
+    loss.backward()  # free again: the same pass runs
+    with _python_nodes(monkeypatch):
+        python = backward(None)
+    for got in [*grads, timed, leaf.grad]:
+        assert torch.equal(got, python)
+
+
+def _lean() -> bool:
+    """Whether the compiled engine takes a whole pass now (its ``gate``, as this process runs the tests)."""
+    return engine.accel is not None and not (settings.state.checked or validate.single_threaded or watchdog.active)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_backward_pass_the_engine_ran_from_the_node_and_that_failed_is_worded_as_the_python_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backward pass that the node ran with no Python code and that failed raises the Python pass's error, which
+    names the pass (``Plan.adjoint_failed``), and leaves its slot free: here rank 0's receive is shorter than the
+    message, since rank 1 runs the backward pass of the same call on a plan of a wider block (its own receive too
+    long for its region: the same kind of error)."""
+    _built()
+    if SIZE != 2:
+        pytest.skip("two members: one runs the node's pass, the other a wider block's")
+    cart = dist.new_cart_group((0,), True)
+    x, v = (_field((5, 2), torch.float64, seed) for seed in range(2))
+    _warm(cart, (5, 2), torch.float64, 1, False)
+    for _ in range(_halo.SLOTS):  # every slot's backward pass made
+        ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1).backward(v)
+    worded: list[int] = []
+    adjoint_failed = _halo.Plan.adjoint_failed
+
+    def seen(plan: _halo.Plan, call: int, result: Any) -> None:
+        worded.append(call)
+        adjoint_failed(plan, call, result)
+
+    monkeypatch.setattr(_halo.Plan, "adjoint_failed", seen)
+    plan = _halo.plan_for(x, cart, 1, False, "test")
+    call = plan.side.halo_calls
+    y = ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1)
+    wider = torch.zeros(5, 4, dtype=torch.float64)
+    run = (
+        (lambda: y.backward(v))
+        if RANK == 0
+        else lambda: _halo.plan_for(wider, cart, 1, False, "t").run(wider, call, True)
+    )
+    with pytest.raises(dist.CommunicationError, match=f"the backward pass of halo_exchange number {call} on"):
+        run()
+    assert worded == ([call] if RANK == 0 and _lean() else [])
+    leaf = x.clone().requires_grad_(True)
+    ag.halo_exchange_(leaf * 1, cart, 1).backward(v)  # the slot free again on every member
+    with _python_nodes(monkeypatch):
+        python = x.clone().requires_grad_(True)
+        ag.halo_exchange_(python * 1, cart, 1).backward(v)
+    assert torch.equal(leaf.grad, python.grad)
 
 
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:

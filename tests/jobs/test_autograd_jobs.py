@@ -16,18 +16,14 @@ from pathlib import Path
 import pytest
 from launch import MPIEXEC, run_job
 
+from tensorplay_p2p._src.settings import env_flag
+
 pytestmark = [
     pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found"),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed"),
 ]
 
 LIMIT = 150  # seconds: torch's import and, for the compiled step, its compiler on oversubscribed ranks
-
-
-def _flag(name: str) -> bool | None:
-    """The package's flag ``name`` as the jobs read it (settings.env_flag's words), None where unset."""
-    value = os.environ.get(name, "").strip().lower()
-    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off") else None
 
 
 def test_a_rank_that_never_runs_backward_gives_a_timeout_naming_the_message(tmp_path: Path) -> None:
@@ -219,7 +215,7 @@ def test_neighbours_whose_shapes_differ_are_caught_on_the_compiled_pass(tmp_path
 
 
 def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path) -> None:
-    if _flag("TENSORPLAY_P2P_CHECK") is True:  # dynamo traces the Python adjoint
+    if env_flag("TENSORPLAY_P2P_CHECK"):  # dynamo traces the Python adjoint
         pytest.skip("compiled autograd cannot trace a checked-mode message's header")
     code = """
         import torch
@@ -273,7 +269,7 @@ def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path
     rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
     assert rc == 0, output
     # the nodes must be built where the engine is expected compiled (as in CI), unless pure Python is asked for
-    expected = os.environ.get("TP2P_EXPECT_ENGINE") == "compiled" and _flag("TENSORPLAY_P2P_ACCEL") is not False
+    expected = os.environ.get("TP2P_EXPECT_ENGINE") == "compiled" and env_flag("TENSORPLAY_P2P_ACCEL", True)
     for rank in (0, 1):
         got = (tmp_path / f"result.{rank}").read_text()
         native = expected or "native True" in got

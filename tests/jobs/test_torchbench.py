@@ -260,7 +260,8 @@ def test_nodes_table_times_each_way_of_making_a_node() -> None:
     ]
     assert len(titles) == 1 and titles[0].endswith("; us per call)"), done.stdout
     assert titles[0].split("corners; its node ")[1].split(";")[0] in nodes, titles
-    exchange = {r[0]: r[1:] for r in cells if len(r) == 4 and r[0] != "series" and not r[0].startswith("---")}
+    series = ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
+    exchange = {r[0]: r[1:] for r in cells if len(r) == 4 and r[0] in series}
     op, own, persistent = (
         float(exchange[name][0]) for name in ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
     )
@@ -269,6 +270,21 @@ def test_nodes_table_times_each_way_of_making_a_node() -> None:
     assert math.isclose(float(exchange["halo_exchange_"][2]), op / persistent, rel_tol=0.02), done.stdout
     assert math.isclose(float(exchange["its compiled pass"][2]), own / persistent, rel_tol=0.02), done.stdout
     assert exchange["persistent HaloExchange"] == [exchange["persistent HaloExchange"][0], "", "1"], done.stdout
+    # halo_exchange's first-order backward, the pass run from C++ and through Plan.fill_adjoint, each less the call's
+    # cost through a clone, over the forward: timed where the nodes are native (as in CI), else left out, saying why
+    ways = ("the pass run from C++", "through Plan.fill_adjoint", "of a clone", "forward")
+    backward = {r[0]: r[1:] for r in cells if len(r) == 4 and r[0] in ways}
+    if os.environ.get("TP2P_EXPECT_ENGINE") == "compiled":
+        assert list(backward) == list(ways), done.stdout
+    if not backward:
+        assert any(line.startswith("the backward series are left out: ") for line in lines), done.stdout
+        return
+    clone, forward = (float(backward[way][0]) for way in ways[2:])
+    for way in ways[:2]:
+        t = float(backward[way][0])
+        assert math.isclose(float(backward[way][1]), t - clone, rel_tol=0.02, abs_tol=0.01), (way, done.stdout)
+        assert math.isclose(float(backward[way][2]), (t - clone) / forward, rel_tol=0.05, abs_tol=0.01), way
+    assert [backward[way][1:] for way in ways[2:]] == [["", ""]] * 2, done.stdout
 
 
 def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why(tmp_path: Path) -> None:
@@ -295,6 +311,7 @@ def test_nodes_without_a_cpp_build_leave_the_cpp_series_out_and_say_why(tmp_path
     why = "torch.utils.cpp_extension cannot build it: Ninja is required to load C++ extensions"
     assert f"the C++ series are left out: {why}" in lines, done.stdout
     assert "its compiled pass is left out: the compiled engine is not in use" in lines, done.stdout
+    assert "the backward series are left out: not timed" in lines, done.stdout
     assert not any("C++" in line and "left out" not in line for line in lines), done.stdout
     assert not any(line.split()[:3] == ["its", "compiled", "pass"] and "left out" not in line for line in lines)
 

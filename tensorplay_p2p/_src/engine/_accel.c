@@ -59,7 +59,7 @@ static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
 
 static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
-static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_max;
+static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_max, *s_timeout;
 static PyObject *s_fail, *s_complete, *s_finish;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what,
     *s_recv_what;
@@ -3491,6 +3491,57 @@ static PyTypeObject HaloPass_Type = {
 
 /* --- setup ----------------------------------------------------------------------------------------- */
 
+/* Whether the engine takes a whole pass on ``group`` now, for a caller in C or C++ that runs no Python (the native
+ * autograd nodes' lean adjoint, ``autograd/_native.cpp``), with the GIL held: the lean path may run (``gate``), no
+ * timeout is set (whose wait the Python pass polls) and ``group`` is live.  1 or 0, or -1 with an error. */
+static int
+halo_may_run(PyObject *group)
+{
+    if (!gate())
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *timeout = PyObject_GetAttr(state, s_timeout);
+    if (timeout == NULL)
+        return -1;
+    Py_DECREF(timeout); /* compared by identity only: None stays alive */
+    return timeout == Py_None && group_live(group);
+}
+
+/* The whole pass of HaloPass ``pass`` on the contiguous host tensor at ``flat``, as ``run``, for the same callers, with
+ * the GIL held, once ``halo_may_run`` said yes (it is asked again here, but for ``gate``, which ``run`` asks: the
+ * caller may have let other threads run since).  Returns a new reference: None, NotImplemented (nothing done: the
+ * Python pass runs it then; ``engine.counts()`` has it handed over where ``run`` hands it, as for requests a closed
+ * plan freed), an MPI error code or (receive, bytes), or NULL with an error. */
+static PyObject *
+halo_run_native(PyObject *pass, PyObject *group, void *flat)
+{
+    if (!PyObject_TypeCheck(pass, &HaloPass_Type)) {
+        PyErr_SetString(PyExc_TypeError, "halo_run: not a HaloPass");
+        return NULL;
+    }
+    PyObject *timeout = PyObject_GetAttr(state, s_timeout);
+    if (timeout == NULL)
+        return NULL;
+    Py_DECREF(timeout);
+    if (timeout != Py_None || !group_live(group))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *result = NULL;
+    int started = halo_start((HaloPassObject *)pass, flat, 1, &result);
+    if (started != 1)
+        return started == 0 ? result : NULL;
+    return halo_finish((HaloPassObject *)pass, flat, 1);
+}
+
+/* What the engine gives C and C++ callers that run no Python: the ``native_api`` capsule, named for its version.  A
+ * caller checks the name (``NATIVE_API``) and then the version field, and declares the same struct. */
+#define NATIVE_API "tensorplay_p2p._src.engine._accel.native_api"
+typedef struct {
+    int version; /* 1 */
+    int (*halo_may_run)(PyObject *group);
+    PyObject *(*halo_run)(PyObject *pass, PyObject *group, void *flat);
+} NativeApi;
+
+static const NativeApi native_api = {1, halo_may_run, halo_run_native};
+
 /* What setup_work and setup_ops take, by keyword: one table each, so that ``contract()`` lists exactly what they
  * take.  A keyword missing or unknown is a TypeError at import, never a silent fallback. */
 typedef struct {
@@ -3778,6 +3829,7 @@ static Name names[] = {
     {&s_dtype, "dtype", "tensors"},
     {&s_shape, "shape", "tensors"},
     {&s_pack_max, "PACK_MAX", "memory.layouts"},
+    {&s_timeout, "timeout", "settings.state"},
     {&coll_what[K_ALL_REDUCE], "all_reduce", NULL},
     {&coll_what[K_BROADCAST], "broadcast", NULL},
     {&coll_what[K_REDUCE], "reduce", NULL},
@@ -3887,6 +3939,13 @@ PyInit__accel(void)
         PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "OpBase", (PyObject *)&OpBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "HaloPass", (PyObject *)&HaloPass_Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New((void *)&native_api, NATIVE_API, NULL);
+    int api_added = api != NULL ? PyModule_AddObjectRef(m, "native_api", api) : -1;
+    Py_XDECREF(api);
+    if (api_added < 0) {
         Py_DECREF(m);
         return NULL;
     }
