@@ -138,11 +138,14 @@ def test_layers_shows_torch_s_layer_and_the_backend_s_share() -> None:
         "/",
         "package",
     ]
-    rows = {tuple(line.split()[:3]): [float(v) for v in line.split()[3:]] for line in lines[2:]}
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in lines[2:]}
     assert set(rows) == {("exchange", "8", "B"), ("all_reduce", "8", "B")}, done.stdout
     for tp2p, null, package, added, ratio in rows.values():
-        assert tp2p > 0 and null > 0 and package > 0 and ratio > 0
-        assert math.isclose(added, tp2p - null - package, rel_tol=0.01, abs_tol=0.1), done.stdout  # as rounded
+        assert min(float(f) for f in (tp2p, null, package, ratio)) > 0, done.stdout
+        # as rounded: a figure of 100 us or more is printed to the unit ("112" is anything from 111.5 to 112.5)
+        low, high = _between(tp2p, null)
+        package_low, package_high = _between(package)
+        assert _overlap(_between(added), (low - package_high, high - package_low)), done.stdout
 
 
 def test_steps_times_ddp_and_fsdp2_on_three_series() -> None:
@@ -172,6 +175,19 @@ def _between(figure: str, less: str | None = None) -> tuple[float, float]:
     if less is not None:
         value, spread = value - float(less), spread + half_unit(less)
     return value - spread, value + spread
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two ranges meet."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def _printed_ratio(printed: str, numerator: tuple[float, float], denominator: tuple[float, float]) -> bool:
+    """Whether ``printed`` (three significant digits) is a quotient of a numerator (of either sign) and a positive
+    denominator in the given ranges."""
+    quotients = [n / d for n in numerator for d in denominator]
+    low, high = min(quotients), max(quotients)
+    return low - 6e-3 * abs(low) - 1e-9 <= float(printed) <= high + 6e-3 * abs(high) + 1e-9
 
 
 def _printed_quotient(printed: str, numerator: tuple[float, float], denominator: tuple[float, float]) -> bool:
@@ -279,11 +295,12 @@ def test_nodes_table_times_each_way_of_making_a_node() -> None:
     if not backward:
         assert any(line.startswith("the backward series are left out: ") for line in lines), done.stdout
         return
-    clone, forward = (float(backward[way][0]) for way in ways[2:])
-    for way in ways[:2]:
-        t = float(backward[way][0])
-        assert math.isclose(float(backward[way][1]), t - clone, rel_tol=0.02, abs_tol=0.01), (way, done.stdout)
-        assert math.isclose(float(backward[way][2]), (t - clone) / forward, rel_tol=0.05, abs_tol=0.01), way
+    clone, forward = (backward[way][0] for way in ways[2:])
+    assert float(clone) > 0 and float(forward) > 0, done.stdout
+    for way in ways[:2]:  # each less the clone's, and that over the forward, as rounded
+        own = _between(backward[way][0], clone)
+        assert _overlap(_between(backward[way][1]), own), (way, done.stdout)
+        assert _printed_ratio(backward[way][2], own, _between(forward)), (way, done.stdout)
     assert [backward[way][1:] for way in ways[2:]] == [["", ""]] * 2, done.stdout
 
 
