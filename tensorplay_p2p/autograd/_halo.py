@@ -241,11 +241,12 @@ class Plan:
         self.receive_spans = _spans([g.numel() for _, _, g in receives])
         self._passes: dict[tuple[int, bool], _Pass] = {}
         self._lock = threading.Lock()
-        # each slot's compiled backward pass, once made (``_pass``; None until then, or where the Python pass runs it)
-        self.adjoint_kernels: list[Any] = [None] * SLOTS
-        # what the native nodes' lean adjoint reads to claim a slot and run its compiled pass with no Python
-        # (``autograd/_native.cpp``), as ``fill_adjoint`` does: fixed for the plan's life
-        self.native = (self.side.lock, self.side.halo_busy, group, self.adjoint_kernels, _KEYS[True])
+        # each slot's compiled pass, forward and backward (``kernels[backward][slot]``), once made (``_pass``; None
+        # until then, or where the Python pass runs it)
+        self.kernels: tuple[list[Any], list[Any]] = ([None] * SLOTS, [None] * SLOTS)
+        # what the native nodes read to number a call, claim its slot and run its compiled pass with no Python
+        # (``autograd/_native.cpp``), as ``fill`` and ``fill_adjoint`` do: fixed for the plan's life
+        self.native = (self.side.lock, self.side.halo_busy, group, self.side, self.kernels, _KEYS)
 
     def message_sets(self) -> int:
         """How many sets of buffers and persistent requests the plan has made: one per slot and pass used, at most
@@ -273,8 +274,7 @@ class Plan:
                 if part is None:
                     with torch._C._DisableFuncTorch():  # buffers of no program: no transform wraps them
                         part = self._passes[key] = _Pass(self, key[0], backward)
-                    if backward:
-                        self.adjoint_kernels[key[0]] = part.kernel
+                    self.kernels[backward][key[0]] = part.kernel
         except BaseException:
             self._release(call, backward, None)
             raise
@@ -378,7 +378,8 @@ class Plan:
         group (``number``), whose number it returns: the compiled body in one call where it takes the pass (the slot
         claimed around it, as ``_pass`` claims it), else ``run``, whose Python pass's torch ops then record no
         autograd history.  ``x``: contiguous, of the plan's shape, no conjugate or negative view, no torch.func
-        transform active (``_recordable``)."""
+        transform active (the native nodes' ``serves``).  The native nodes run its common case themselves, with no
+        Python code, and call it where they do not."""
         if validate.single_threaded:  # before the call takes a number: nothing is done
             validate.check_thread(_FORWARD)
         side = self.side
@@ -399,10 +400,17 @@ class Plan:
             kernel = self._claim(call, True)
         self._fill(x, call, True, kernel)
 
-    def adjoint_failed(self, call: int, result: Any) -> None:
-        """Raise the error of the backward pass of call ``call`` that the native nodes ran in the compiled engine with
-        no Python (``result``: what the pass returned; its slot released), as ``_fill`` raises it."""
-        raise self._failure(self._passes[_KEYS[True][call % SLOTS]], call, True, result)
+    def fill_as(self, x: Any, call: int) -> None:
+        """H in place on ``x`` as call ``call``, whose number is taken: where the native nodes claimed its slot and the
+        engine then handed the pass back (a timeout set, the group destroyed, requests a closed plan freed), the
+        Python pass, as ``_fill`` runs it."""
+        with torch.no_grad():
+            self.run(x, call, False)
+
+    def failed(self, call: int, backward: bool, result: Any) -> None:
+        """Raise the error of a pass of call ``call`` that the native nodes ran in the compiled engine with no Python
+        (``result``: what the pass returned; its slot released), as ``_fill`` raises it."""
+        raise self._failure(self._passes[_KEYS[backward][call % SLOTS]], call, backward, result)
 
     def _claim(self, call: int, backward: bool) -> Any:
         """Under the group's lock: the compiled body of ``call``'s slot, claimed, where it is made and free; else
@@ -697,10 +705,10 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
         return compiled(x, group, halo, corners)
     plan = plan_for(x, group, halo, corners, "halo_exchange")
     native = _native.nodes
-    if native is not None and _recordable(native, x):
-        y = native.copy(x)
-        call = plan.fill(y)
-        return native.fill_out_of_place(x, y, plan, call)
+    if native is not None and _eager():
+        y = native.exchange(x, plan)  # None where the native code does not serve x's exchange: nothing done
+        if y is not None:
+            return y
     call = number(plan)
     y = apply(_Fill, x, plan, call, *_anchored(x))
     _graph.guard(y.grad_fn, x, lambda: _substitute(plan, call))
@@ -730,25 +738,22 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
     """
     plan = plan_for(x, group, halo, corners, "halo_exchange_")
     native = _native.nodes
-    if native is not None and _recordable(native, x):
-        call = plan.fill(x)
-        return native.fill_in_place(x, plan, call)
+    if native is not None and _eager():
+        done = native.exchange_in_place(x, plan)  # None where the native code does not serve it: nothing done
+        if done is not None:
+            return done
     return apply(_FillInPlace, x, plan, number(plan), *_anchored(x))
 
 
-def _recordable(native: Any, x: Any) -> bool:
-    """Whether the native node records ``x``'s exchange (``_native``): eager (no forward-mode level open, not
-    traced by torch.compile, compiled autograd off: it runs only nodes it can trace, and the native node's backward is
-    Python's) and what ``native.recordable`` checks: in grad mode, where the Python node would be a plain
-    ``Function``'s (no torch.func transform or wrapper, profiler or anomaly mode to serve, no tensor subclass's torch
-    function), on a contiguous tensor of a dtype that carries a gradient, no conjugate or negative view (whose history
-    torch cannot rebase onto a node of its own: the Python node marks it dirty instead)."""
-    return (
-        forward_ad._current_level < 0
-        and not _compiling()
-        and not _compiled_autograd.compiled_autograd_enabled
-        and bool(native.recordable(x))
-    )
+def _eager() -> bool:
+    """Whether the native code may serve an exchange now (``_native``), as far as Python must say: eager (no
+    forward-mode level open, not traced by torch.compile, compiled autograd off: it runs only nodes it can trace, and
+    the native node's backward is Python's).  The native code checks the rest itself (its ``serves``): a contiguous
+    tensor, no conjugate or negative view (whose history torch cannot rebase onto a node of its own: the Python node
+    marks it dirty instead), where the Python node would be a plain ``Function``'s (no torch.func transform or wrapper,
+    profiler or anomaly mode to serve, no tensor subclass's torch function); with grad mode off or on integers it runs
+    the exchange alone, with no node, as the Python path does there."""
+    return forward_ad._current_level < 0 and not _compiling() and not _compiled_autograd.compiled_autograd_enabled
 
 
 _compiling = torch.compiler.is_compiling

@@ -3,7 +3,9 @@
 //
 // A ``torch.autograd.Function`` costs about 3 us a call in Python, more than a small exchange's whole persistent
 // step: the package's exchanges instead record these nodes, wired as torch's generated code wires its own ops' nodes.
-// The exchange itself has run before (``Plan.fill``, in Python and the compiled engine); this records only the node.
+// Each exchange's forward is one call from Python (``exchange_in_place``, ``exchange``), which runs the exchange (the
+// compiled engine's pass run from here with no Python, the call numbered and its slot claimed here as ``Plan.fill``
+// does, where the engine takes it; else ``Plan.fill``) and then records the node:
 //
 // - ``halo_exchange_`` (``fill_in_place``): in torch's order for an in-place op (``check_inplace``,
 //   ``collect_next_edges``, ``increment_version``, ``rebase_history``).
@@ -41,11 +43,11 @@ namespace py = pybind11;
 using at::Tensor;
 using torch::autograd::variable_list;
 
-static PyObject *adjoint = nullptr;           // owned: autograd._halo.adjoint(grad, plan, call)
-static PyObject *substitute = nullptr;        // owned: autograd._halo._substitute(plan, call)
-static PyObject *fill_adjoint_name = nullptr; // "fill_adjoint"; held for good
-static PyObject *adjoint_failed_name = nullptr, *native_name = nullptr, *acquire_name = nullptr,
-                *release_name = nullptr; // held for good
+static PyObject *adjoint = nullptr;    // owned: autograd._halo.adjoint(grad, plan, call)
+static PyObject *substitute = nullptr; // owned: autograd._halo._substitute(plan, call)
+static PyObject *fill_name = nullptr, *fill_as_name = nullptr, *fill_adjoint_name = nullptr, *failed_name = nullptr,
+                *native_name = nullptr, *acquire_name = nullptr, *release_name = nullptr,
+                *halo_calls_name = nullptr; // the Python names it reads and calls; held for good
 
 // The compiled engine's passes for a caller that runs no Python (``_accel.c``'s ``native_api`` capsule, as it
 // declares it), handed over by ``set_engine``; none with the pure-Python engine.
@@ -57,9 +59,10 @@ struct NativeApi {
 };
 static const NativeApi *native_api = nullptr;
 
-// How many lean adjoints ran in place on the gradient they were given, and how many on its copy; and how many of
-// them ran the engine's compiled pass from here, with no Python (``counts``).
-static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0}, adjoints_without_python{0};
+// How many lean adjoints ran in place on the gradient they were given, and how many on its copy; how many of them ran
+// the engine's compiled pass from here, with no Python; and how many forward passes did (``counts``).
+static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0}, adjoints_without_python{0},
+    forwards_without_python{0};
 
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
 // ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
@@ -72,7 +75,7 @@ copy(const Tensor &x)
 
 // Whether ``x`` is a plain tensor that nothing above autograd serves: no Python key, torch.func wrapper or batch,
 // no torch.func transform active, no conjugate or negative view (the Python node serves them all).  What the forward
-// (``recordable``) and a lean backward (``lean``) both ask.
+// (``serves``) and a lean backward (``lean``) both ask.
 static bool
 plain(const Tensor &x)
 {
@@ -82,6 +85,222 @@ plain(const Tensor &x)
            !keys.has(c10::DispatchKey::FuncTorchBatched) &&
            !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
            !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !x.is_conj() && !x.is_neg();
+}
+
+// ``step()`` (1: done, 0: not; -1 with a Python error) under ``lock`` (a ``threading.Lock``, taken as Python's ``with``
+// takes it: its wait lets other threads run), with the GIL held: whether it was done.  An error raises.
+template <typename Step>
+static bool
+locked(PyObject *lock, Step step)
+{
+    PyObject *taken = PyObject_CallMethodNoArgs(lock, acquire_name);
+    if (taken == nullptr)
+        throw py::error_already_set();
+    Py_DECREF(taken);
+    const int done = step();
+    if (done < 0) {
+        {
+            py::error_scope pending; // the step's error, restored once the lock is released
+            Py_XDECREF(PyObject_CallMethodNoArgs(lock, release_name));
+            PyErr_Clear();
+        }
+        throw py::error_already_set();
+    }
+    PyObject *released = PyObject_CallMethodNoArgs(lock, release_name);
+    if (released == nullptr)
+        throw py::error_already_set();
+    Py_DECREF(released);
+    return done == 1;
+}
+
+// What a plan holds for the passes run from here with no Python (``Plan.native``, read with the GIL held, fixed for the
+// plan's life): the group's lock, its set of busy slots, the group, the group's ``Side`` (whose ``halo_calls`` numbers
+// its exchanges), and for each pass (0: forward, 1: backward) its compiled passes by slot (a list: None until made)
+// and the slots' keys in the busy set.
+struct Lean {
+    py::object native; // the tuple, held while this lives
+    PyObject *lock, *busy, *group, *side;
+    PyObject *kernels[2], *keys[2];
+
+    explicit Lean(PyObject *plan) : native(py::reinterpret_steal<py::object>(PyObject_GetAttr(plan, native_name)))
+    {
+        if (!native)
+            throw py::error_already_set();
+        PyObject *t = native.ptr();
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 6 ||
+            !pair(PyTuple_GET_ITEM(t, 4), [](PyObject *o) { return PyList_Check(o) != 0; }) ||
+            !pair(PyTuple_GET_ITEM(t, 5), [](PyObject *o) { return PyTuple_Check(o) != 0; }))
+            throw std::runtime_error("halo_exchange: the plan's native entry is not what the native nodes read");
+        lock = PyTuple_GET_ITEM(t, 0);
+        busy = PyTuple_GET_ITEM(t, 1);
+        group = PyTuple_GET_ITEM(t, 2);
+        side = PyTuple_GET_ITEM(t, 3);
+        for (int backward = 0; backward < 2; ++backward) {
+            kernels[backward] = PyTuple_GET_ITEM(PyTuple_GET_ITEM(t, 4), backward);
+            keys[backward] = PyTuple_GET_ITEM(PyTuple_GET_ITEM(t, 5), backward);
+            if (PyList_GET_SIZE(kernels[backward]) == 0 ||
+                PyList_GET_SIZE(kernels[backward]) != PyTuple_GET_SIZE(keys[backward]))
+                throw std::runtime_error("halo_exchange: the plan's native entry is not what the native nodes read");
+        }
+    }
+
+    // Claim the slot of call ``number``'s pass (``backward``) where its compiled pass is made and free, under the lock
+    // (``Plan._claim``): the pass, or None where nothing was claimed.  ``number``: the call's, or -1 for the group's
+    // next call, which the claim then numbers (``Plan.fill``), into ``number`` (left -1 where nothing was claimed).
+    py::object
+    claim(int64_t &number, bool backward) const
+    {
+        py::object kernel;
+        locked(lock, [&] {
+            int64_t call = number;
+            if (call < 0) {
+                PyObject *calls = PyObject_GetAttr(side, halo_calls_name);
+                if (calls == nullptr)
+                    return -1;
+                call = PyLong_AsLongLong(calls);
+                Py_DECREF(calls);
+                if (call == -1 && PyErr_Occurred())
+                    return -1;
+            }
+            const Py_ssize_t slot = static_cast<Py_ssize_t>(call % PyList_GET_SIZE(kernels[backward]));
+            PyObject *made = PyList_GET_ITEM(kernels[backward], slot), *key = PyTuple_GET_ITEM(keys[backward], slot);
+            if (made == Py_None)
+                return 0;
+            const int in = PySet_Contains(busy, key);
+            if (in != 0)
+                return in < 0 ? -1 : 0; // busy: not claimed
+            if (PySet_Add(busy, key) < 0)
+                return -1;
+            if (number < 0) { // the number taken with the slot, as Python takes both in one go
+                PyObject *next = PyLong_FromLongLong(call + 1);
+                if (next == nullptr || PyObject_SetAttr(side, halo_calls_name, next) < 0) {
+                    Py_XDECREF(next);
+                    py::error_scope pending;
+                    PySet_Discard(busy, key);
+                    PyErr_Clear();
+                    return -1;
+                }
+                Py_DECREF(next);
+                number = call;
+            }
+            kernel = py::reinterpret_borrow<py::object>(made);
+            return 1;
+        });
+        return kernel ? kernel : py::none();
+    }
+
+    // Run ``kernel``, the claimed pass of call ``number`` (``backward``), on the contiguous host memory at ``flat``
+    // through the engine (``native_api``'s ``halo_run``), its slot released at the end whatever happens, as
+    // ``Plan._fill`` releases it in its ``finally``: None, NotImplemented (nothing done), or the failure's result.
+    py::object
+    run(const py::object &kernel, int64_t number, bool backward, void *flat) const
+    {
+        PyObject *key =
+            PyTuple_GET_ITEM(keys[backward], static_cast<Py_ssize_t>(number % PyTuple_GET_SIZE(keys[backward])));
+        Claim claim{lock, busy, key};
+        py::object result = py::reinterpret_steal<py::object>(native_api->halo_run(kernel.ptr(), group, flat));
+        if (!result)
+            throw py::error_already_set(); // the error taken before the release
+        return result;
+    }
+
+  private:
+    template <typename Check>
+    static bool
+    pair(PyObject *o, Check check)
+    {
+        return PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2 && check(PyTuple_GET_ITEM(o, 0)) &&
+               check(PyTuple_GET_ITEM(o, 1));
+    }
+
+    // A slot claimed in ``busy`` (a set) under ``lock``, released when it goes; an error pending then is kept, and one
+    // the release itself raises is reported as unraisable.
+    struct Claim {
+        PyObject *lock, *busy, *key; // borrowed: the caller holds them
+
+        ~Claim()
+        {
+            py::error_scope pending;
+            try {
+                locked(lock, [&] { return PySet_Discard(busy, key) < 0 ? -1 : 1; });
+            } catch (py::error_already_set &error) {
+                error.discard_as_unraisable("halo_exchange: releasing the slot of a pass");
+            }
+        }
+    };
+};
+
+static py::object
+as_int(int64_t number)
+{
+    py::object out = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
+    if (!out)
+        throw py::error_already_set();
+    return out;
+}
+
+// ``plan.method(args...)`` with the GIL held: its result; a Python error raises.
+template <typename... Args>
+static py::object
+call_method(PyObject *plan, PyObject *method, Args... args)
+{
+    PyObject *result = PyObject_CallMethodObjArgs(plan, method, args..., nullptr);
+    if (result == nullptr)
+        throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
+    return py::reinterpret_steal<py::object>(result);
+}
+
+// Raise the error of call ``number``'s pass that the engine ran from here and that failed (``result``: what it
+// returned; its slot released), worded by ``plan.failed`` as the Python pass words it.
+[[noreturn]] static void
+raise_failed(PyObject *plan, int64_t number, bool backward, const py::object &result)
+{
+    call_method(plan, failed_name, as_int(number).ptr(), backward ? Py_True : Py_False, result.ptr());
+    throw std::runtime_error("halo_exchange: the plan's failed returned instead of raising");
+}
+
+// Whether the engine takes a whole pass on the plan's group now (``native_api``'s ``halo_may_run``: its gate, which
+// includes the thread rule, no timeout, a live group), asked before a claim, as Python asks before it claims.
+static bool
+may_run(const Lean &lean)
+{
+    const int may = native_api->halo_may_run(lean.group);
+    if (may < 0)
+        throw py::error_already_set();
+    return may > 0;
+}
+
+// H in place on ``x`` (contiguous, of the plan's shape, plain) as the group's next halo exchange, with the GIL held,
+// and its number: ``Plan.fill``'s common case with no Python code run (the number taken and the forward slot claimed in
+// one go under the group's lock, where the slot's compiled pass is made and free, the pass run by the engine, the slot
+// released), else ``plan.fill(x)``, which numbers it, runs it, or says why it cannot.  A pass that the engine hands
+// back after the claim runs in Python as the same call (``plan.fill_as``); a failed one raises, worded by
+// ``plan.failed``.
+static int64_t
+fill(PyObject *plan, const Tensor &x)
+{
+    if (native_api != nullptr && x.is_cpu()) { // the engine's passes are host memory's
+        const Lean lean(plan);
+        if (may_run(lean)) {
+            void *flat = x.data_ptr();
+            int64_t number = -1;
+            py::object kernel = lean.claim(number, false);
+            if (!kernel.is_none()) {
+                py::object result = lean.run(kernel, number, false, flat);
+                if (result.is_none()) {
+                    forwards_without_python.fetch_add(1, std::memory_order_relaxed);
+                    return number;
+                }
+                if (result.ptr() != Py_NotImplemented)
+                    raise_failed(plan, number, false, result);
+                py::object given = py::cast(x);
+                call_method(plan, fill_as_name, given.ptr(), as_int(number).ptr());
+                return number;
+            }
+        }
+    }
+    py::object given = py::cast(x);
+    return call_method(plan, fill_name, given.ptr()).cast<int64_t>();
 }
 
 // A plan and a call number: what the adjoint and the substitute take.  The plan is released with the GIL, while the
@@ -108,153 +327,48 @@ struct Call {
     run(PyObject *function, const char *what, const Tensor *grad = nullptr) const
     {
         py::gil_scoped_acquire gil;
-        if (function == nullptr)
+        if (function == nullptr || plan == nullptr)
             throw std::runtime_error(std::string(what) + ": its backward ran after the interpreter's end");
-        py::object first;
-        if (grad != nullptr)
-            first = grad->defined() ? py::cast(*grad) : py::none();
-        return call(what,
-                    [&](PyObject *number_) {
-                        return first ? PyObject_CallFunctionObjArgs(function, first.ptr(), plan, number_, nullptr)
-                                     : PyObject_CallFunctionObjArgs(function, plan, number_, nullptr);
-                    })
-            .cast<Tensor>();
+        py::object number_ = as_int(number);
+        PyObject *result =
+            grad != nullptr ? PyObject_CallFunctionObjArgs(function, grad->defined() ? py::cast(*grad).ptr() : Py_None,
+                                                           plan, number_.ptr(), nullptr)
+                            : PyObject_CallFunctionObjArgs(function, plan, number_.ptr(), nullptr);
+        if (result == nullptr)
+            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
+        return py::reinterpret_steal<py::object>(result).cast<Tensor>();
     }
 
-    // H* in place on ``y`` (contiguous, of the plan's shape, plain), with the GIL held: the engine's compiled pass
-    // run from here where it takes it (``without_python``), else ``plan.fill_adjoint(y, number)``.
+    // H* in place on ``y`` (contiguous, of the plan's shape, plain), with the GIL held: ``Plan.fill_adjoint``'s common
+    // case with no Python code run (the slot of this call's backward pass claimed on the group, under the group's
+    // lock, where its compiled pass is made and free, the pass run by the engine, the slot released), else
+    // ``plan.fill_adjoint(y, number)``, which runs it or says why it cannot.  A failed pass raises, worded by
+    // ``plan.failed``.
     void
     fill_adjoint(const Tensor &y) const
     {
         py::gil_scoped_acquire gil;
-        if (without_python(y)) {
-            adjoints_without_python.fetch_add(1, std::memory_order_relaxed);
-            return;
+        if (plan == nullptr)
+            throw std::runtime_error("halo_exchange: its backward ran after the interpreter's end");
+        if (native_api != nullptr) {
+            const Lean lean(plan);
+            int64_t claimed = number;
+            if (may_run(lean)) {
+                void *flat = y.data_ptr();
+                py::object kernel = lean.claim(claimed, true);
+                if (!kernel.is_none()) {
+                    py::object result = lean.run(kernel, number, true, flat);
+                    if (result.is_none()) {
+                        adjoints_without_python.fetch_add(1, std::memory_order_relaxed);
+                        return;
+                    }
+                    if (result.ptr() != Py_NotImplemented)
+                        raise_failed(plan, number, true, result);
+                }
+            }
         }
         py::object given = py::cast(y);
-        call("halo_exchange", [&](PyObject *number_) {
-            return PyObject_CallMethodObjArgs(plan, fill_adjoint_name, given.ptr(), number_, nullptr);
-        });
-    }
-
-  private:
-    // ``Plan.fill_adjoint``'s common case with no Python code run, the GIL held: where the engine takes the pass now
-    // (``native_api``'s ``halo_may_run``: as ``_fill`` asks, and the thread rule), the slot of this call's backward
-    // pass claimed on the group, under the group's lock, where its compiled pass is made and free (``Plan._claim``),
-    // the pass run by the engine, the slot released.  True when done; false where nothing was done (no engine, no
-    // compiled pass yet, the engine would not take it, the slot busy): ``fill_adjoint`` then runs it, or says why it
-    // cannot.  A failed pass raises, worded by ``plan.adjoint_failed``.
-    bool
-    without_python(const Tensor &y) const
-    {
-        if (native_api == nullptr || plan == nullptr)
-            return false;
-        // plan.native: (the group's lock, its set of busy slots, the group, the compiled backward passes, the keys)
-        py::object native = py::reinterpret_steal<py::object>(PyObject_GetAttr(plan, native_name));
-        if (!native)
-            throw py::error_already_set();
-        PyObject *t = native.ptr();
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5 || !PyList_Check(PyTuple_GET_ITEM(t, 3)) ||
-            !PyTuple_Check(PyTuple_GET_ITEM(t, 4)) ||
-            PyList_GET_SIZE(PyTuple_GET_ITEM(t, 3)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(t, 4)) ||
-            PyList_GET_SIZE(PyTuple_GET_ITEM(t, 3)) == 0)
-            throw std::runtime_error("halo_exchange: the plan's native entry is not what the native nodes read");
-        PyObject *lock = PyTuple_GET_ITEM(t, 0), *busy = PyTuple_GET_ITEM(t, 1), *group = PyTuple_GET_ITEM(t, 2);
-        PyObject *kernels = PyTuple_GET_ITEM(t, 3);
-        const Py_ssize_t slot = static_cast<Py_ssize_t>(number % PyList_GET_SIZE(kernels));
-        py::object kernel = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(kernels, slot));
-        PyObject *key = PyTuple_GET_ITEM(t, 4 /* keys */);
-        key = PyTuple_GET_ITEM(key, slot);
-        if (kernel.is_none())
-            return false;
-        const int may = native_api->halo_may_run(group); // before the claim, as Python checks before it claims
-        if (may <= 0) {
-            if (may < 0)
-                throw py::error_already_set();
-            return false;
-        }
-        void *flat = y.data_ptr();
-        if (!locked(lock, [&] {
-                const int in = PySet_Contains(busy, key);
-                if (in != 0)
-                    return in < 0 ? -1 : 0; // busy: not claimed
-                return PySet_Add(busy, key) == 0 ? 1 : -1;
-            }))
-            return false; // busy: the Python pass says so
-        py::object result;
-        {
-            Claim claim{lock, busy, key}; // released at the end of this block, whatever happens: a whole pass
-            result = py::reinterpret_steal<py::object>(native_api->halo_run(kernel.ptr(), group, flat));
-            if (!result)
-                throw py::error_already_set(); // the error taken before the release
-        }
-        if (result.is(py::none()))
-            return true;
-        if (result.ptr() == Py_NotImplemented)
-            return false;
-        call("halo_exchange", [&](PyObject *number_) { // raises
-            return PyObject_CallMethodObjArgs(plan, adjoint_failed_name, number_, result.ptr(), nullptr);
-        });
-        throw std::runtime_error("halo_exchange: the plan's adjoint_failed returned instead of raising");
-    }
-
-    // A slot claimed in ``busy`` (a set) under ``lock``, released when it goes, as ``Plan._fill`` releases it in its
-    // ``finally``; an error pending then is kept, and one the release itself raises is reported as unraisable.
-    struct Claim {
-        PyObject *lock, *busy, *key; // borrowed: the caller holds them
-
-        ~Claim()
-        {
-            py::error_scope pending;
-            try {
-                locked(lock, [&] { return PySet_Discard(busy, key) < 0 ? -1 : 1; });
-            } catch (py::error_already_set &error) {
-                error.discard_as_unraisable("halo_exchange: releasing the slot of a backward pass");
-            }
-        }
-    };
-
-    // ``step()`` (1: done, 0: not; -1 with a Python error) under ``lock`` (a ``threading.Lock``, taken as Python's
-    // ``with`` takes it: its wait lets other threads run): whether it was done.  An error raises.
-    template <typename Step>
-    static bool
-    locked(PyObject *lock, Step step)
-    {
-        PyObject *taken = PyObject_CallMethodNoArgs(lock, acquire_name);
-        if (taken == nullptr)
-            throw py::error_already_set();
-        Py_DECREF(taken);
-        const int done = step();
-        if (done < 0) {
-            {
-                py::error_scope pending; // the step's error, restored once the lock is released
-                Py_XDECREF(PyObject_CallMethodNoArgs(lock, release_name));
-                PyErr_Clear();
-            }
-            throw py::error_already_set();
-        }
-        PyObject *released = PyObject_CallMethodNoArgs(lock, release_name);
-        if (released == nullptr)
-            throw py::error_already_set();
-        Py_DECREF(released);
-        return done == 1;
-    }
-
-    // What ``invoke(number)`` returns, for ``number`` as a Python int, with the GIL held (the caller's): a Python
-    // error raises.
-    template <typename Invoke>
-    py::object
-    call(const char *what, Invoke invoke) const
-    {
-        if (plan == nullptr)
-            throw std::runtime_error(std::string(what) + ": its backward ran after the interpreter's end");
-        py::object number_ = py::reinterpret_steal<py::object>(PyLong_FromLongLong(number));
-        if (!number_)
-            throw py::error_already_set();
-        PyObject *result = invoke(number_.ptr());
-        if (result == nullptr)
-            throw py::error_already_set(); // torch's engine raises it in the backward's caller, as a Python error
-        return py::reinterpret_steal<py::object>(result);
+        call_method(plan, fill_adjoint_name, given.ptr(), as_int(number).ptr());
     }
 };
 
@@ -580,22 +694,33 @@ guard(py::handle object, const Tensor &x, std::shared_ptr<Duty> duty)
     duty->key = key.release().ptr();
 }
 
-// Whether ``fill_in_place`` and ``fill_out_of_place`` may record the exchange of ``object``: a ``torch.Tensor`` or
-// ``Parameter`` (no subclass, whose torch function the Python node serves) of a dtype that carries a gradient (for
-// integers the Python path records no node), no torch.func wrapper (a dead one, left by a finished transform, the
-// Python path unwraps), contiguous, no conjugate or negative view (whose history cannot be rebased onto a node), in
-// grad mode, with no torch.func transform, profiler or anomaly mode to serve (the Python node serves them).  The
-// forward-mode level, torch.compile's tracing and compiled autograd are Python's to check.
-static bool
-recordable(py::handle object)
+// What the native forward does with the exchange of ``object`` (``serves``).
+enum class Serve {
+    python, // nothing: the Python ``Function`` serves it
+    alone,  // the exchange alone, with no node: nothing can be differentiated (grad mode off, or integers)
+    node,   // the exchange and its native node
+};
+
+// How ``exchange_in_place`` and ``exchange`` serve the exchange of ``object``: a ``torch.Tensor`` or ``Parameter``
+// (no subclass, whose torch function the Python node serves), no torch.func wrapper (a dead one, left by a finished
+// transform, the Python path unwraps), contiguous, no conjugate or negative view (whose history cannot be rebased onto
+// a node), with no torch.func transform or profiler to serve (the Python node serves them), or none (python).  Then
+// with grad mode off or a dtype that carries no gradient, the exchange alone, as the Python path runs it there (its
+// forward alone with grad mode off, ``_function.apply``; its ``Function``, which records no node, on integers); else
+// its node, unless anomaly mode is on (the Python node records its traceback).  The forward-mode level,
+// torch.compile's tracing and compiled autograd are Python's to check.
+static Serve
+serves(py::handle object)
 {
     PyObject *o = object.ptr();
     if (!THPVariable_CheckExact(o))
-        return false;
+        return Serve::python;
     const Tensor &x = THPVariable_Unpack(o);
-    return (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type())) && at::GradMode::is_enabled() &&
-           !torch::profiler::impl::profilerEnabled() && !torch::autograd::AnomalyMode::is_enabled() &&
-           x.is_contiguous() && plain(x);
+    if (torch::profiler::impl::profilerEnabled() || !x.is_contiguous() || !plain(x))
+        return Serve::python;
+    if (!at::GradMode::is_enabled() || !(at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type())))
+        return Serve::alone;
+    return torch::autograd::AnomalyMode::is_enabled() ? Serve::python : Serve::node;
 }
 
 // Record ``x``'s in-place exchange (already run) in autograd: ``x``'s version moves on and its history becomes the
@@ -642,9 +767,43 @@ fill_out_of_place(py::handle object, const Tensor &y, py::handle plan, int64_t c
     return y;
 }
 
+// ``halo_exchange_``'s forward where the native code serves it (``serves``): ``x`` exchanged in place (``fill``), and
+// its node recorded (``fill_in_place``), or where none is, its version moved on as the Python path moves it (on
+// integers, the ``Function``'s ``mark_dirty``, which refuses an inference tensor outside inference mode after the
+// exchange; with grad mode off, ``_function.apply``'s ``increment_version``, which skips one); else None, with nothing
+// done (the Python node serves it).
+static py::object
+exchange_in_place(py::handle object, py::handle plan)
+{
+    const Serve how = serves(object);
+    if (how == Serve::python)
+        return py::none();
+    const Tensor &x = THPVariable_Unpack(object.ptr());
+    const int64_t number = fill(plan.ptr(), x);
+    if (how == Serve::node)
+        fill_in_place(x, plan, number);
+    else if (at::GradMode::is_enabled() || !x.is_inference()) // as the Function's mark_dirty, or ``apply``'s
+        torch::autograd::increment_version(x);                // increment_version, which skips an inference tensor
+    return py::reinterpret_borrow<py::object>(object);
+}
+
+// ``halo_exchange``'s forward where the native code serves it (``serves``): a copy of ``x`` (``copy``), exchanged
+// (``fill``), with its node recorded (``fill_out_of_place``) where one is; else None, with nothing done.
+static py::object
+exchange(py::handle object, py::handle plan)
+{
+    const Serve how = serves(object);
+    if (how == Serve::python)
+        return py::none();
+    Tensor y = copy(THPVariable_Unpack(object.ptr()));
+    const int64_t number = fill(plan.ptr(), y);
+    return py::cast(how == Serve::node ? fill_out_of_place(object, y, plan, number) : y);
+}
+
 // What the lean adjoints did in this process: ``{"in place": n, "copied": m, "without Python": k}`` (on a gradient that
-// nothing else held, or on its copy; and of them, those whose compiled pass ran from here with no Python).  Python
-// cannot see it otherwise: a tensor it has seen keeps a second reference, and is copied.
+// nothing else held, or on its copy; and of them, those whose compiled pass ran from here with no Python), and
+// ``"forward without Python"``: the forward passes that did.  Python cannot see the first two otherwise: a tensor it
+// has seen keeps a second reference, and is copied.
 static py::dict
 counts()
 {
@@ -652,6 +811,7 @@ counts()
     out["in place"] = adjoints_in_place.load();
     out["copied"] = adjoints_copied.load();
     out["without Python"] = adjoints_without_python.load();
+    out["forward without Python"] = forwards_without_python.load();
     return out;
 }
 
@@ -665,8 +825,8 @@ set_functions(py::object adjoint_, py::object substitute_)
     Py_XDECREF(old_substitute);
 }
 
-// The compiled engine's ``native_api`` capsule, whose passes the lean adjoint runs with no Python; None: none (the
-// pure-Python engine), ``Plan.fill_adjoint`` runs every lean adjoint.
+// The compiled engine's ``native_api`` capsule, whose passes the forward and the lean adjoint run with no Python; None:
+// none (the pure-Python engine), ``Plan.fill`` runs every forward and ``Plan.fill_adjoint`` every lean adjoint.
 static void
 set_engine(py::object api)
 {
@@ -685,21 +845,22 @@ set_engine(py::object api)
 // The contract with ``autograd._native``: it loads a build whose ``CONTRACT`` is the one it expects, or none.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.attr("CONTRACT") = 4;
-    m.def("recordable", &recordable);
-    m.def("fill_in_place", &fill_in_place);
-    m.def("copy", &copy);
-    m.def("fill_out_of_place", &fill_out_of_place);
+    m.attr("CONTRACT") = 5;
+    m.def("exchange_in_place", &exchange_in_place);
+    m.def("exchange", &exchange);
     m.def("set_functions", &set_functions);
     m.def("set_engine", &set_engine);
     m.def("counts", &counts);
     ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
     new_key = reinterpret_cast<PyObject *>(&PyBaseObject_Type);
-    for (auto [name, text] : {std::pair{&fill_adjoint_name, "fill_adjoint"},
-                              {&adjoint_failed_name, "adjoint_failed"},
+    for (auto [name, text] : {std::pair{&fill_name, "fill"},
+                              {&fill_as_name, "fill_as"},
+                              {&fill_adjoint_name, "fill_adjoint"},
+                              {&failed_name, "failed"},
                               {&native_name, "native"},
                               {&acquire_name, "acquire"},
-                              {&release_name, "release"}}) {
+                              {&release_name, "release"},
+                              {&halo_calls_name, "halo_calls"}}) {
         *name = PyUnicode_InternFromString(text);
         if (*name == nullptr)
             throw py::error_already_set();

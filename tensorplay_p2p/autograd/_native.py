@@ -38,12 +38,12 @@ from .._src.settings import env_flag
 __all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "import_build", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
-CONTRACT = 4  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
+CONTRACT = 5  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
 SOURCE = Path(__file__).with_name("_native.cpp")
 STEM = "tensorplay_p2p_native"  # the build's name, before its digest
 FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
 
-nodes: Any = None  # the loaded module (``fill_in_place``, ``fill_out_of_place``), or None: the Python nodes run
+nodes: Any = None  # the loaded module (``exchange_in_place``, ``exchange``), or None: the Python nodes run
 reason = "not loaded yet"
 
 
@@ -98,7 +98,8 @@ def _load(adjoint: Callable[[Any, Any, int], Any], substitute: Callable[[Any, in
         if getattr(module, "CONTRACT", None) != CONTRACT:
             return None, f"Python: the build at {path} is not of this version of the package (build it again)"
         module.set_functions(adjoint, substitute)
-        # the compiled engine's passes, which the lean adjoint runs with no Python (none on the pure-Python engine)
+        # the compiled engine's passes, which the forward and the lean adjoint run with no Python (none on the
+        # pure-Python engine)
         module.set_engine(getattr(engine.accel, "native_api", None))
     except Exception as exc:  # whatever a library that is not ours, or broken, raises: never the import's error
         return None, f"Python: the build at {path} does not load ({exc})"

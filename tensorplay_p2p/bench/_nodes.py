@@ -27,6 +27,14 @@ C++ would make its differentiable ops cheaper.  In one process (rank 0; the othe
 
   - ``halo_exchange_``: ``autograd.halo_exchange_(x.detach())`` in grad mode, with its node: the native one where
     ``tensorplay-p2p build-nodes`` built it, else its Python ``Function`` (the table's title names it);
+  - ``halo_exchange_ through Plan.fill``: with the native nodes and the compiled engine (left out elsewhere), the same
+    call with the engine's capsule taken from the nodes (``_native.nodes.set_engine(None)``), so that the node calls
+    the Python ``Plan.fill``, as it did before it ran the forward pass itself (both series then set the nodes' engine
+    at each call, so both pay for it);
+  - ``halo_exchange_ with grad mode off``: the same call with grad mode off (as ``torch.no_grad()`` sets it, without
+    its context manager's cost), where no node is recorded (the native code runs the exchange alone), and ``... the
+    Python path``: the same with the native nodes taken away (``_native.nodes`` None for the call), as it ran before
+    the native code served grad mode off (both with the native nodes and the compiled engine, left out elsewhere);
   - ``its compiled pass``: the same pass run alone (one ``HaloPass`` call: the gather and scatter); the difference is
     what the op's Python and its node add to each call (left out without the compiled engine);
   - ``persistent HaloExchange``: the persistent, non-differentiable exchange's step on the same grid.
@@ -68,7 +76,15 @@ KINDS = ("in place", "new tensor")
 WAYS = ("torch's op", "torch's op without a node", "Python Function", "C++ Function", "C++ Node", "no node")
 _BARE = ("torch's op without a node", "no node")  # the baselines, timed with no node
 _CPP = ("C++ Function", "C++ Node")
-EXCHANGE = ("halo_exchange_", "its compiled pass", "persistent HaloExchange")
+EXCHANGE = (
+    "halo_exchange_",
+    "halo_exchange_ through Plan.fill",
+    "halo_exchange_ with grad mode off",
+    "halo_exchange_ with grad mode off, the Python path",
+    "its compiled pass",
+    "persistent HaloExchange",
+)
+_OPS = EXCHANGE[:4]  # the op's own series; those after the first need the native nodes and the compiled engine
 BACKWARD = ("the pass run from C++", "through Plan.fill_adjoint", "of a clone", "forward")
 ITERATIONS, WARMUP = 20_000, 1_000  # at scale 1
 SIDE = 18  # the 16 x 16 block of ``--autograd`` with its ghost layers
@@ -144,11 +160,13 @@ def _exchange(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Call
 
 
 def _backward(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], str]:
-    """The ``backward`` series' bodies on ``cart``, what restores the nodes' engine after them, and "", else no
-    bodies and why they are left out."""
+    """The ``backward`` series' bodies on ``cart``, with the ``exchange`` series of the nodes' forward run from C++ and
+    through ``Plan.fill``, what restores the nodes' engine after them, and "", else no bodies and why they are left
+    out."""
     from tensorplay_p2p._src import engine
     from tensorplay_p2p.autograd import _native
     from tensorplay_p2p.autograd import halo_exchange as exchange
+    from tensorplay_p2p.autograd import halo_exchange_ as exchange_in_place
 
     nodes, api = _native.nodes, getattr(engine.accel, "native_api", None)
     if nodes is None or api is None:
@@ -175,13 +193,37 @@ def _backward(torch: Any, cart: Any) -> tuple[dict[str, Callable[[], Any]], Call
         nodes.set_engine(api)
         return exchange(x.detach().requires_grad_(), cart, 1, corners=True)
 
-    before = nodes.counts()["without Python"]
+    def in_place(given: Any) -> Any:
+        nodes.set_engine(given)
+        return exchange_in_place(x.detach(), cart, 1, corners=True)
+
+    grad_mode = torch._C._set_grad_enabled  # what torch.no_grad() sets, without its Python context manager's cost
+
+    def without_grad(native: Any) -> Any:
+        nodes.set_engine(api)
+        _native.nodes = native
+        grad_mode(False)
+        try:
+            return exchange_in_place(x.detach(), cart, 1, corners=True)
+        finally:
+            grad_mode(True)
+            _native.nodes = nodes
+
+    before = nodes.counts()
     backward(api)
-    if nodes.counts()["without Python"] != before + 1:
+    in_place(api)
+    after = nodes.counts()
+    if [after[k] - before[k] for k in ("without Python", "forward without Python")] != [1, 1]:
         return {}, lambda: nodes.set_engine(api), "the native node did not run the compiled pass (checked mode?)"
     bodies = [lambda: backward(api), lambda: backward(None), of_a_clone, forward]
     return (
-        {f"backward: {way}": body for way, body in zip(BACKWARD, bodies, strict=True)},
+        {f"backward: {way}": body for way, body in zip(BACKWARD, bodies, strict=True)}
+        | {
+            "exchange: halo_exchange_": lambda: in_place(api),
+            "exchange: halo_exchange_ through Plan.fill": lambda: in_place(None),
+            "exchange: halo_exchange_ with grad mode off": lambda: without_grad(nodes),
+            "exchange: halo_exchange_ with grad mode off, the Python path": lambda: without_grad(None),
+        },
         lambda: nodes.set_engine(api),
         "",
     )
@@ -229,7 +271,8 @@ def _bodies(module: Any) -> dict[str, Callable[[], Any]]:
 
 def names(built: bool, compiled: bool = True, backward: bool = False) -> list[str]:
     """The series, in the tables' order (``built``: with the C++ series; ``compiled``: with the compiled pass;
-    ``backward``: with the backward series)."""
+    ``backward``: with the series of the passes the native nodes run from C++, the backward's and the forward's
+    through ``Plan.fill``)."""
     listed = [
         f"{kind}: {way}"
         for kind in KINDS
@@ -237,7 +280,11 @@ def names(built: bool, compiled: bool = True, backward: bool = False) -> list[st
         if (built or way not in _CPP) and (kind == "in place" or way != "torch's op without a node")
     ]
     listed += ["pybind11 call"] if built else []
-    listed += [f"exchange: {way}" for way in EXCHANGE if compiled or way != "its compiled pass"]
+    listed += [
+        f"exchange: {way}"
+        for way in EXCHANGE
+        if (compiled or way != "its compiled pass") and (backward or way not in _OPS[1:])
+    ]
     return listed + ([f"backward: {way}" for way in BACKWARD] if backward else [])
 
 
@@ -308,10 +355,12 @@ def format_nodes(result: Nodes, markdown: bool = False) -> str:
     table = format_rows(title, header, rows, markdown)
     if result.why:
         table += f"\nthe C++ series are left out: {result.why}"
-    op, persistent = result.us["exchange: halo_exchange_"], result.us["exchange: persistent HaloExchange"]
+    persistent = result.us["exchange: persistent HaloExchange"]
     own = result.us.get("exchange: its compiled pass")
+    ops = {way: result.us[f"exchange: {way}"] for way in _OPS if f"exchange: {way}" in result.us}
     rows = [
-        ["halo_exchange_", format_figure(op), "" if own is None else format_figure(op - own), f"{op / persistent:.3g}"]
+        [way, format_figure(op), "" if own is None else format_figure(op - own), f"{op / persistent:.3g}"]
+        for way, op in ops.items()
     ]
     if own is not None:
         rows.append(["its compiled pass", format_figure(own), "", f"{own / persistent:.3g}"])
@@ -324,6 +373,8 @@ def format_nodes(result: Nodes, markdown: bool = False) -> str:
     table += "\n\n" + format_rows(title, header, rows, markdown)
     if own is None:
         table += "\nits compiled pass is left out: the compiled engine is not in use"
+    if f"exchange: {_OPS[1]}" not in result.us:
+        table += f"\nthe series of the native forward's other ways are left out: {result.backward}"
     return table + "\n\n" + _format_backward(result, markdown)
 
 

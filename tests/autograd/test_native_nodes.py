@@ -265,7 +265,7 @@ def test_out_of_place_records_no_guard_where_the_input_needs_no_gradient() -> No
     y = ag.halo_exchange(x, cart, 1)
     assert y.grad_fn.name() == NAMES["out of place"][0] and x._backward_hooks is None
     assert y[0] == 10 * ((RANK - 1) % SIZE) + 3 and y[4] == 10 * ((RANK + 1) % SIZE) + 1
-    with torch.no_grad():  # no node: the Python path, which records none
+    with torch.no_grad():  # no node
         assert ag.halo_exchange(x, cart, 1).grad_fn is None
 
 
@@ -412,13 +412,14 @@ def _lean() -> bool:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_backward_pass_the_engine_ran_from_the_node_and_that_failed_is_worded_as_the_python_pass(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_pass_the_engine_ran_from_the_node_and_that_failed_is_worded_as_the_python_pass(
+    backward: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A backward pass that the node ran with no Python code and that failed raises the Python pass's error, which
-    names the pass (``Plan.adjoint_failed``), and leaves its slot free: here rank 0's receive is shorter than the
-    message, since rank 1 runs the backward pass of the same call on a plan of a wider block (its own receive too
-    long for its region: the same kind of error)."""
+    """A pass that the node ran with no Python code and that failed raises the Python pass's error, which names the
+    pass (``Plan.failed``), and leaves its slot free: here rank 0's receive is shorter than the message, since rank 1
+    runs the same pass of the same call on a plan of a wider block (its own receive too long for its region: the same
+    kind of error)."""
     _built()
     if SIZE != 2:
         pytest.skip("two members: one runs the node's pass, the other a wider block's")
@@ -427,32 +428,126 @@ def test_a_backward_pass_the_engine_ran_from_the_node_and_that_failed_is_worded_
     _warm(cart, (5, 2), torch.float64, 1, False)
     for _ in range(_halo.SLOTS):  # every slot's backward pass made
         ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1).backward(v)
-    worded: list[int] = []
-    adjoint_failed = _halo.Plan.adjoint_failed
+    worded: list[tuple[int, bool]] = []
+    failed = _halo.Plan.failed
 
-    def seen(plan: _halo.Plan, call: int, result: Any) -> None:
-        worded.append(call)
-        adjoint_failed(plan, call, result)
+    def seen(plan: _halo.Plan, call: int, backward_: bool, result: Any) -> None:
+        worded.append((call, backward_))
+        failed(plan, call, backward_, result)
 
-    monkeypatch.setattr(_halo.Plan, "adjoint_failed", seen)
+    monkeypatch.setattr(_halo.Plan, "failed", seen)
     plan = _halo.plan_for(x, cart, 1, False, "test")
-    call = plan.side.halo_calls
-    y = ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1)
     wider = torch.zeros(5, 4, dtype=torch.float64)
-    run = (
-        (lambda: y.backward(v))
-        if RANK == 0
-        else lambda: _halo.plan_for(wider, cart, 1, False, "t").run(wider, call, True)
-    )
-    with pytest.raises(dist.CommunicationError, match=f"the backward pass of halo_exchange number {call} on"):
+    other = _halo.plan_for(wider, cart, 1, False, "t")
+    call = plan.side.halo_calls
+    if backward:
+        y = ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1)
+        run = (lambda: y.backward(v)) if RANK == 0 else lambda: other.run(wider, call, True)
+    else:  # rank 1's exchange numbered as rank 0's, so that the next ones meet
+        run = (
+            (lambda: ag.halo_exchange_(x.clone().requires_grad_(True) * 1, cart, 1))
+            if RANK == 0
+            else lambda: other.run(wider, _halo.number(other), False)
+        )
+    which = "backward" if backward else "forward"
+    with pytest.raises(dist.CommunicationError, match=f"the {which} pass of halo_exchange number {call} on"):
         run()
-    assert worded == ([call] if RANK == 0 and _lean() else [])
+    assert worded == ([(call, backward)] if RANK == 0 and _lean() else [])
+    assert plan.side.halo_calls == call + 1 and not plan.side.halo_busy
     leaf = x.clone().requires_grad_(True)
     ag.halo_exchange_(leaf * 1, cart, 1).backward(v)  # the slot free again on every member
     with _python_nodes(monkeypatch):
         python = x.clone().requires_grad_(True)
         ag.halo_exchange_(python * 1, cart, 1).backward(v)
     assert torch.equal(leaf.grad, python.grad)
+
+
+@pytest.mark.parametrize("form", EXCHANGES, ids=list(EXCHANGES))
+def test_a_forward_runs_the_compiled_pass_with_no_python(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a slot's compiled forward pass is made, the exchange runs it from the node's C++ with no Python (counted
+    as ``forward without Python``), numbered as the Python pass numbers it (a member on the Python path meets its
+    peers), on the compiled engine outside checked mode; where a timeout is set, where the nodes have no engine's
+    passes, or where the slot is busy (a split exchange holds it), the Python pass runs it, or refuses before anything
+    is posted, on every member alike; where the engine hands the pass back once its slot is claimed (here: a timeout
+    set while the claim waited for the group's lock), the Python pass runs it as the call already numbered
+    (``Plan.fill_as``).  Every result is the Python node's, bit for bit."""
+    _built()
+    exchange = EXCHANGES[form]
+    cart = dist.new_cart_group((0, 0), (True, False))
+    shape = _shape(cart, 1)
+    x = _field(shape, torch.float64, 0)
+    _warm(cart, shape, torch.float64, 1, True)
+    plan = _halo.plan_for(x, cart, 1, True, "test")
+
+    def forward(timeout: float | None) -> torch.Tensor:
+        monkeypatch.setattr(settings.state, "timeout", timeout)
+        try:
+            y = exchange(x.clone().requires_grad_(True) * 1, cart, 1, True)
+        finally:
+            monkeypatch.setattr(settings.state, "timeout", None)
+        assert y.grad_fn.name() == NAMES[form][_native.nodes is None]
+        return y.detach()
+
+    def without_python() -> int:
+        return int(_native.nodes.counts()["forward without Python"])
+
+    lean = _lean()
+    _native_then_python(lambda: [forward(None) for _ in range(2 * _halo.SLOTS)], monkeypatch)
+    before, call = without_python(), plan.side.halo_calls
+    results = [forward(None) for _ in range(2 * _halo.SLOTS)]
+    assert without_python() - before == (2 * _halo.SLOTS if lean else 0)
+    assert plan.side.halo_calls == call + 2 * _halo.SLOTS and not plan.side.halo_busy
+    before = without_python()
+    results.append(forward(600.0))
+    nodes = _native.nodes
+    nodes.set_engine(None)  # no engine's passes to run from C++: Plan.fill runs each
+    try:
+        results.append(forward(None))
+    finally:
+        nodes.set_engine(getattr(engine.accel, "native_api", None))
+    assert without_python() == before
+    key = (plan.side.halo_calls % _halo.SLOTS, False)  # the next exchange's slot held, as one in flight holds it
+    with plan.side.lock:
+        plan.side.halo_busy.add(key)
+    try:
+        with pytest.raises(RuntimeError, match="in flight already"):
+            forward(None)
+    finally:
+        with plan.side.lock:
+            plan.side.halo_busy.discard(key)
+    assert without_python() == before
+    # the engine hands the pass back after the claim: the timeout is set once the claim has the group's lock
+    handed: list[int] = []
+    fill_as = _halo.Plan.fill_as
+
+    def seen(plan_: _halo.Plan, y: torch.Tensor, call_: int) -> None:
+        handed.append(call_)
+        fill_as(plan_, y, call_)
+
+    class Tripping:  # the group's lock, setting the timeout once it is first taken
+        def acquire(self) -> bool:
+            taken = plan.side.lock.acquire()
+            if settings.state.timeout is None and not handed:
+                settings.state.timeout = 600.0
+            return taken
+
+        def release(self) -> None:
+            plan.side.lock.release()
+
+    monkeypatch.setattr(_halo.Plan, "fill_as", seen)
+    monkeypatch.setattr(plan, "native", (Tripping(), *plan.native[1:]))
+    call = plan.side.halo_calls
+    try:
+        results.append(exchange(x.clone().requires_grad_(True) * 1, cart, 1, True).detach())
+    finally:
+        settings.state.timeout = None
+        monkeypatch.undo()
+    assert handed == ([call] if lean else []) and plan.side.halo_calls == call + 1 and not plan.side.halo_busy
+    assert without_python() == before
+    with _python_nodes(monkeypatch):
+        python = forward(None)
+    for got in results:
+        assert torch.equal(got, python)
 
 
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
@@ -578,6 +673,66 @@ def test_the_python_node_serves_what_the_native_node_leaves_to_it() -> None:
     y = ag.halo_exchange_(n, cart, 1, True)
     assert y.grad_fn is None and not y.requires_grad
     assert torch.equal(y, ag.halo_exchange(n, cart, 1, True))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "integers"])
+@pytest.mark.parametrize("form", EXCHANGES, ids=list(EXCHANGES))
+def test_where_no_node_is_recorded_the_native_call_runs_the_exchange_alone(
+    form: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``) and on integers, the native call runs the
+    exchange alone (its compiled pass from C++, counted as ``forward without Python``, where the engine takes it; no
+    Python ``Function`` applied, and no call numbered in Python): no node, the Python path's values bit for bit, the
+    same ``requires_grad`` and inference flag, and an in-place exchange's version moved on (not an inference
+    tensor's, which has none); a member on the Python path meets its peers on the native one."""
+    _built()
+    exchange = EXCHANGES[form]
+    cart = dist.new_cart_group((0, 0), (True, False))
+    shape = _shape(cart, 1)
+    dtype = torch.int32 if mode == "integers" else torch.float64
+    base = _field(shape, torch.float64, 3).mul(100).to(dtype)
+    _warm(cart, shape, dtype, 1, True)
+    leaves = (False, True) if mode == "no_grad" else (False,)  # a leaf that requires a gradient
+
+    def run() -> list[torch.Tensor]:
+        context = (
+            torch.no_grad()
+            if mode == "no_grad"
+            else torch.inference_mode()
+            if mode == "inference_mode"
+            else contextlib.nullcontext()
+        )
+        out = []
+        for leaf in leaves:
+            with context:
+                x = base.clone()
+            if leaf:
+                x.requires_grad_(True)  # in place too: allowed with grad mode off, as torch allows it
+            version = None if x.is_inference() else x._version
+            with context:
+                y = exchange(x, cart, 1, True)
+            assert y.grad_fn is None and y.requires_grad == (leaf and form == "in place")  # in place: the leaf
+            assert y.is_inference() == x.is_inference()
+            assert (y is x) == (form == "in place")
+            if version is not None and form == "in place":
+                assert x._version > version
+            out.append(y.detach())
+        return out
+
+    def python_path(*_: Any) -> None:
+        raise AssertionError("the Python path ran an exchange that the native code serves")
+
+    before = _native.nodes.counts()["forward without Python"]
+    with monkeypatch.context() as patch:  # the native code serves every exchange of it
+        patch.setattr(_halo, "apply", python_path)
+        patch.setattr(_halo, "number", python_path)
+        native = run()
+    assert _native.nodes.counts()["forward without Python"] - before == (len(leaves) if _lean() else 0)
+    with _python_nodes(monkeypatch):
+        python = run()
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+    _native_then_python(run, monkeypatch)  # a member on the Python path meets its peers
 
 
 @pytest.mark.parametrize("form", NAMES)

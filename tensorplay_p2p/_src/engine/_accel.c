@@ -3492,8 +3492,8 @@ static PyTypeObject HaloPass_Type = {
 /* --- setup ----------------------------------------------------------------------------------------- */
 
 /* Whether the engine takes a whole pass on ``group`` now, for a caller in C or C++ that runs no Python (the native
- * autograd nodes' lean adjoint, ``autograd/_native.cpp``), with the GIL held: the lean path may run (``gate``), no
- * timeout is set (whose wait the Python pass polls) and ``group`` is live.  1 or 0, or -1 with an error. */
+ * autograd nodes' forward and lean adjoint, ``autograd/_native.cpp``), with the GIL held: the lean path may run
+ * (``gate``), no timeout is set (whose wait the Python pass polls) and ``group`` is live: 1, 0, or -1 with an error. */
 static int
 halo_may_run(PyObject *group)
 {
