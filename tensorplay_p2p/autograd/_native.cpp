@@ -259,47 +259,61 @@ raise_failed(PyObject *plan, int64_t number, bool backward, const py::object &re
     throw std::runtime_error("halo_exchange: the plan's failed returned instead of raising");
 }
 
-// Whether the engine takes a whole pass on the plan's group now (``native_api``'s ``halo_may_run``: its gate, which
-// includes the thread rule, no timeout, a live group), asked before a claim, as Python asks before it claims.
-static bool
-may_run(const Lean &lean)
+// What ``lean_pass`` did with a pass.
+enum class Went {
+    done,    // run by the engine from here, with no Python
+    handed,  // claimed, then handed back by the engine (nothing done): the Python pass runs it as the same call
+    skipped, // nothing claimed (no engine, not host memory, the engine would not take it, no compiled pass, busy)
+};
+
+// ``Plan._fill``'s common case with no Python code run, with the GIL held: where the engine takes a whole pass on the
+// plan's group now (``native_api``'s ``halo_may_run``: its gate, which includes the thread rule, no timeout, a live
+// group; asked before the claim, as Python asks before it claims), the slot of call ``number``'s pass (``backward``;
+// ``number`` -1: the group's next call, numbered by the claim) claimed on the group under its lock where its compiled
+// pass is made and free (``Lean::claim``), the pass run by the engine on ``t`` (contiguous, of the plan's shape,
+// plain), the slot released.  A failed pass raises, worded by ``plan.failed``.
+static Went
+lean_pass(PyObject *plan, int64_t &number, bool backward, const Tensor &t)
 {
+    if (native_api == nullptr || !t.is_cpu()) // the engine's passes are host memory's
+        return Went::skipped;
+    const Lean lean(plan);
     const int may = native_api->halo_may_run(lean.group);
-    if (may < 0)
-        throw py::error_already_set();
-    return may > 0;
+    if (may <= 0) {
+        if (may < 0)
+            throw py::error_already_set();
+        return Went::skipped;
+    }
+    void *flat = t.data_ptr();
+    py::object kernel = lean.claim(number, backward);
+    if (kernel.is_none())
+        return Went::skipped;
+    py::object result = lean.run(kernel, number, backward, flat);
+    if (result.is_none()) {
+        (backward ? adjoints_without_python : forwards_without_python).fetch_add(1, std::memory_order_relaxed);
+        return Went::done;
+    }
+    if (result.ptr() != Py_NotImplemented)
+        raise_failed(plan, number, backward, result);
+    return Went::handed;
 }
 
 // H in place on ``x`` (contiguous, of the plan's shape, plain) as the group's next halo exchange, with the GIL held,
-// and its number: ``Plan.fill``'s common case with no Python code run (the number taken and the forward slot claimed in
-// one go under the group's lock, where the slot's compiled pass is made and free, the pass run by the engine, the slot
-// released), else ``plan.fill(x)``, which numbers it, runs it, or says why it cannot.  A pass that the engine hands
-// back after the claim runs in Python as the same call (``plan.fill_as``); a failed one raises, worded by
-// ``plan.failed``.
+// and its number: ``Plan.fill``'s common case with no Python code run (``lean_pass``: the number taken and the forward
+// slot claimed in one go), else ``plan.fill(x)``, which numbers it, runs it, or says why it cannot; a pass the engine
+// hands back after the claim runs in Python as the same call (``plan.fill_as``).
 static int64_t
 fill(PyObject *plan, const Tensor &x)
 {
-    if (native_api != nullptr && x.is_cpu()) { // the engine's passes are host memory's
-        const Lean lean(plan);
-        if (may_run(lean)) {
-            void *flat = x.data_ptr();
-            int64_t number = -1;
-            py::object kernel = lean.claim(number, false);
-            if (!kernel.is_none()) {
-                py::object result = lean.run(kernel, number, false, flat);
-                if (result.is_none()) {
-                    forwards_without_python.fetch_add(1, std::memory_order_relaxed);
-                    return number;
-                }
-                if (result.ptr() != Py_NotImplemented)
-                    raise_failed(plan, number, false, result);
-                py::object given = py::cast(x);
-                call_method(plan, fill_as_name, given.ptr(), as_int(number).ptr());
-                return number;
-            }
-        }
-    }
+    int64_t number = -1;
+    const Went went = lean_pass(plan, number, false, x);
+    if (went == Went::done)
+        return number;
     py::object given = py::cast(x);
+    if (went == Went::handed) {
+        call_method(plan, fill_as_name, given.ptr(), as_int(number).ptr());
+        return number;
+    }
     return call_method(plan, fill_name, given.ptr()).cast<int64_t>();
 }
 
@@ -340,33 +354,17 @@ struct Call {
     }
 
     // H* in place on ``y`` (contiguous, of the plan's shape, plain), with the GIL held: ``Plan.fill_adjoint``'s common
-    // case with no Python code run (the slot of this call's backward pass claimed on the group, under the group's
-    // lock, where its compiled pass is made and free, the pass run by the engine, the slot released), else
-    // ``plan.fill_adjoint(y, number)``, which runs it or says why it cannot.  A failed pass raises, worded by
-    // ``plan.failed``.
+    // case with no Python code run (``lean_pass``), else ``plan.fill_adjoint(y, number)``, which runs it or says why
+    // it cannot.
     void
     fill_adjoint(const Tensor &y) const
     {
         py::gil_scoped_acquire gil;
         if (plan == nullptr)
             throw std::runtime_error("halo_exchange: its backward ran after the interpreter's end");
-        if (native_api != nullptr) {
-            const Lean lean(plan);
-            int64_t claimed = number;
-            if (may_run(lean)) {
-                void *flat = y.data_ptr();
-                py::object kernel = lean.claim(claimed, true);
-                if (!kernel.is_none()) {
-                    py::object result = lean.run(kernel, number, true, flat);
-                    if (result.is_none()) {
-                        adjoints_without_python.fetch_add(1, std::memory_order_relaxed);
-                        return;
-                    }
-                    if (result.ptr() != Py_NotImplemented)
-                        raise_failed(plan, number, true, result);
-                }
-            }
-        }
+        int64_t call = number;
+        if (lean_pass(plan, call, true, y) == Went::done)
+            return;
         py::object given = py::cast(y);
         call_method(plan, fill_adjoint_name, given.ptr(), as_int(number).ptr());
     }
@@ -748,14 +746,12 @@ fill_in_place(Tensor x, py::handle plan, int64_t call)
     return x;
 }
 
-// Record ``halo_exchange``'s exchange of ``x`` into ``y`` (``copy(x)``, filled) in autograd: ``y``'s history becomes
-// the node, whose input is ``x``'s history; where ``x`` requires a gradient, its guard holds the node's duty.
+// Record ``halo_exchange``'s exchange of ``x`` (``object``'s tensor) into ``y`` (``copy(x)``, filled) in autograd:
+// ``y``'s history becomes the node, whose input is ``x``'s history; where ``x`` requires a gradient, its guard holds
+// the node's duty.
 static Tensor
-fill_out_of_place(py::handle object, const Tensor &y, py::handle plan, int64_t call)
+fill_out_of_place(py::handle object, const Tensor &x, const Tensor &y, py::handle plan, int64_t call)
 {
-    if (!THPVariable_Check(object.ptr()))
-        throw py::type_error("fill_out_of_place: x is not a tensor");
-    const Tensor &x = THPVariable_Unpack(object.ptr());
     auto node = c10::make_intrusive<HaloExchangeBackward>();
     node->call = std::make_shared<Call>(plan, call);
     node->set_next_edges(torch::autograd::collect_next_edges(x));
@@ -795,9 +791,10 @@ exchange(py::handle object, py::handle plan)
     const Serve how = serves(object);
     if (how == Serve::python)
         return py::none();
-    Tensor y = copy(THPVariable_Unpack(object.ptr()));
+    const Tensor &x = THPVariable_Unpack(object.ptr());
+    Tensor y = copy(x);
     const int64_t number = fill(plan.ptr(), y);
-    return py::cast(how == Serve::node ? fill_out_of_place(object, y, plan, number) : y);
+    return py::cast(how == Serve::node ? fill_out_of_place(object, x, y, plan, number) : y);
 }
 
 // What the lean adjoints did in this process: ``{"in place": n, "copied": m, "without Python": k}`` (on a gradient that

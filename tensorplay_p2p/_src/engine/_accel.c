@@ -3491,14 +3491,10 @@ static PyTypeObject HaloPass_Type = {
 
 /* --- setup ----------------------------------------------------------------------------------------- */
 
-/* Whether the engine takes a whole pass on ``group`` now, for a caller in C or C++ that runs no Python (the native
- * autograd nodes' forward and lean adjoint, ``autograd/_native.cpp``), with the GIL held: the lean path may run
- * (``gate``), no timeout is set (whose wait the Python pass polls) and ``group`` is live: 1, 0, or -1 with an error. */
+/* Whether no timeout is set (whose wait the Python pass polls) and ``group`` is live: 1, 0, or -1 with an error. */
 static int
-halo_may_run(PyObject *group)
+halo_unhindered(PyObject *group)
 {
-    if (!gate())
-        return PyErr_Occurred() ? -1 : 0;
     PyObject *timeout = PyObject_GetAttr(state, s_timeout);
     if (timeout == NULL)
         return -1;
@@ -3506,11 +3502,22 @@ halo_may_run(PyObject *group)
     return timeout == Py_None && group_live(group);
 }
 
+/* Whether the engine takes a whole pass on ``group`` now, for a caller in C or C++ that runs no Python (the native
+ * autograd nodes' forward and lean adjoint, ``autograd/_native.cpp``), with the GIL held: the lean path may run
+ * (``gate``) and ``halo_unhindered``: 1, 0, or -1 with an error. */
+static int
+halo_may_run(PyObject *group)
+{
+    if (!gate())
+        return PyErr_Occurred() ? -1 : 0;
+    return halo_unhindered(group);
+}
+
 /* The whole pass of HaloPass ``pass`` on the contiguous host tensor at ``flat``, as ``run``, for the same callers, with
- * the GIL held, once ``halo_may_run`` said yes (it is asked again here, but for ``gate``, which ``run`` asks: the
- * caller may have let other threads run since).  Returns a new reference: None, NotImplemented (nothing done: the
- * Python pass runs it then; ``engine.counts()`` has it handed over where ``run`` hands it, as for requests a closed
- * plan freed), an MPI error code or (receive, bytes), or NULL with an error. */
+ * the GIL held, once ``halo_may_run`` said yes (``halo_unhindered`` is asked again here, and ``gate`` by
+ * ``halo_start``: the caller may have let other threads run since).  Returns a new reference: None, NotImplemented
+ * (nothing done: the Python pass runs it then; ``engine.counts()`` has it handed over where ``run`` hands it, as for
+ * requests a closed plan freed), an MPI error code or (receive, bytes), or NULL with an error. */
 static PyObject *
 halo_run_native(PyObject *pass, PyObject *group, void *flat)
 {
@@ -3518,11 +3525,10 @@ halo_run_native(PyObject *pass, PyObject *group, void *flat)
         PyErr_SetString(PyExc_TypeError, "halo_run: not a HaloPass");
         return NULL;
     }
-    PyObject *timeout = PyObject_GetAttr(state, s_timeout);
-    if (timeout == NULL)
+    int unhindered = halo_unhindered(group);
+    if (unhindered < 0)
         return NULL;
-    Py_DECREF(timeout);
-    if (timeout != Py_None || !group_live(group))
+    if (!unhindered)
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *result = NULL;
     int started = halo_start((HaloPassObject *)pass, flat, 1, &result);
