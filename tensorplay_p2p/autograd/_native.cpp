@@ -10,8 +10,9 @@
 // - ``halo_exchange_`` (``fill_in_place``): in torch's order for an in-place op (``check_inplace``,
 //   ``collect_next_edges``, ``increment_version``, ``rebase_history``).
 // - ``halo_exchange`` (``fill_out_of_place``): the result, a copy the exchange filled (``copy``), gets the node as
-//   its history (``set_history``), and the input a guard (``autograd._graph.guard``, natively): a hook on the input's
-//   gradient that runs the exchange's backward where a backward pass reaches the input but not the node.
+//   its history (``set_history``), and the input's guard (``autograd._graph.guard``, natively: ``guard``) takes the
+//   node's duty: a hook on the input's gradient that runs the exchange's backward where a backward pass reaches the
+//   input but not the node.
 //
 // Their backward is the exchange's adjoint: in a first-order backward the plan's pass alone, on the gradient where
 // nothing else holds it, else on its copy (the compiled engine's pass run from here with no Python, the slot claimed
@@ -46,8 +47,9 @@ using torch::autograd::variable_list;
 static PyObject *adjoint = nullptr;    // owned: autograd._halo.adjoint(grad, plan, call)
 static PyObject *substitute = nullptr; // owned: autograd._halo._substitute(plan, call)
 static PyObject *fill_name = nullptr, *fill_as_name = nullptr, *fill_adjoint_name = nullptr, *failed_name = nullptr,
-                *native_name = nullptr, *acquire_name = nullptr, *release_name = nullptr,
-                *halo_calls_name = nullptr; // the Python names it reads and calls; held for good
+                *native_name = nullptr, *acquire_name = nullptr, *release_name = nullptr, *halo_calls_name = nullptr,
+                *backward_hooks_name = nullptr,
+                *reversed_name = nullptr; // the Python names it reads and calls; held for good
 
 // The compiled engine's passes for a caller that runs no Python (``_accel.c``'s ``native_api`` capsule, as it
 // declares it), handed over by ``set_engine``; none with the pure-Python engine.
@@ -373,8 +375,7 @@ struct Call {
 // What an out-of-place exchange's backward owes its peers (``autograd._graph.Duty``): how many backward passes ran
 // its node and were not yet seen by the input's guard, whether it ever ran, and whether the node is still alive.  It
 // holds its exchange's call weakly while the node lives (a node that ran and is freed owes nothing: its plan goes with
-// it), and strongly once a node that never ran is freed (its backward is still owed).  A duty in a hook dict knows
-// its entry, to take it out.
+// it), and strongly once a node that never ran is freed (its backward is still owed).
 struct Duty {
     std::atomic<int64_t> ran{0};
     std::atomic<bool> ever_ran{false};
@@ -382,21 +383,10 @@ struct Duty {
     std::mutex lock; // ``kept``'s
     std::weak_ptr<Call> call;
     std::shared_ptr<Call> kept;
-    PyObject *hooks = nullptr; // owned: a weak reference to the hook dict it is in, or none (a node's hook)
-    PyObject *key = nullptr;   // owned: its key there
 
     explicit Duty(const std::shared_ptr<Call> &call_) : call(call_) {}
     Duty(const Duty &) = delete;
     Duty &operator=(const Duty &) = delete;
-
-    ~Duty()
-    {
-        if ((hooks != nullptr || key != nullptr) && Py_IsInitialized()) {
-            py::gil_scoped_acquire gil;
-            Py_CLEAR(hooks);
-            Py_CLEAR(key);
-        }
-    }
 
     // Its node has run in this pass and not yet been seen: take it (once).
     bool
@@ -428,31 +418,15 @@ struct Duty {
         return owed->run(substitute, "halo_exchange");
     }
 
-    // Its node is freed (``~HaloExchangeBackward``): keep the call where its backward is still owed.
+    // Its node is freed (``~HaloExchangeBackward``): keep the call where its backward is still owed.  The guard that
+    // holds the duty drops it, once settled, at its next sweep.
     void
     node_freed(const std::shared_ptr<Call> &node_call)
     {
-        {
-            std::lock_guard<std::mutex> held(lock);
-            if (!ever_ran)
-                kept = node_call;
-            alive = false;
-        }
-        if (ever_ran)
-            take_out();
-    }
-
-    // Out of its hook dict, if it is in one (with the GIL; whatever error the caller had pending is kept).
-    void
-    take_out()
-    {
-        if (hooks == nullptr || !Py_IsInitialized())
-            return;
-        py::gil_scoped_acquire gil;
-        py::error_scope pending;
-        PyObject *dict = PyWeakref_GetObject(hooks); // borrowed
-        if (dict != nullptr && dict != Py_None && PyObject_DelItem(dict, key) != 0)
-            PyErr_Clear(); // taken out already
+        std::lock_guard<std::mutex> held(lock);
+        if (!ever_ran)
+            kept = node_call;
+        alive = false;
     }
 };
 
@@ -541,21 +515,18 @@ struct HaloExchangeBackward : public HaloExchangeBackwardBase {
     }
 };
 
-// The guard on a non-leaf's gradient (``autograd._graph.guard``), where the tensor has no hook dict: a hook of its
-// node, at the tensor's place among that node's inputs, holding the duties of the tensor's exchanges in the order they
-// were made (``guard`` adds to it only while the tensor has no hook dict, so that no hook of the program's comes
-// between them).  On each backward pass that reaches the tensor, a duty whose node ran in this pass is let through;
+static PyObject *ordered_dict = nullptr; // collections.OrderedDict, as torch's own hook dicts; held for good
+
+// A guard of a tensor's gradient (``autograd._graph.guard``): duties of the tensor's exchanges, in the order
+// they were made.  On each backward pass that reaches the tensor, a duty whose node ran in this pass is let through;
 // one whose node ran and is gone is dropped; any other (its node dropped before it ran, or alive and not reached by
 // this pass) runs its exchange's backward with zero output gradients, and what it receives is added into the
-// tensor's gradient; a freed node's duty is dropped once its backward ran.  Duties leave under the lock and are
-// freed after it: freeing one may take the GIL.
-struct GuardHook : public torch::autograd::FunctionPreHook {
-    const size_t index;
+// tensor's gradient; a freed node's duty is dropped once its backward ran.  Duties leave under the lock and are freed
+// after it: freeing one may take the GIL.
+struct Guard {
     std::mutex lock;
     std::vector<std::shared_ptr<Duty>> duties;
     size_t sweep_at = 8; // the count of duties at which ``add`` drops the settled ones: amortized, a constant a call
-
-    GuardHook(size_t index_, std::shared_ptr<Duty> duty) : index(index_), duties{std::move(duty)} {}
 
     void
     add(std::shared_ptr<Duty> duty)
@@ -569,20 +540,20 @@ struct GuardHook : public torch::autograd::FunctionPreHook {
         duties.push_back(std::move(duty));
     }
 
-    void
-    take_settled(std::vector<std::shared_ptr<Duty>> &gone) // under ``lock``
+    // The duties not yet settled (those settled dropped).
+    size_t
+    held()
     {
-        auto settled = std::stable_partition(duties.begin(), duties.end(),
-                                             [](const std::shared_ptr<Duty> &d) { return !d->settled(); });
-        std::move(settled, duties.end(), std::back_inserter(gone));
-        duties.erase(settled, duties.end());
+        std::vector<std::shared_ptr<Duty>> gone;
+        std::lock_guard<std::mutex> locked(lock);
+        take_settled(gone);
+        return duties.size();
     }
 
-    variable_list
-    operator()(const variable_list &grads) override
+    // ``grad`` (undefined where none reached the tensor) with what this pass owes added in: whether anything was.
+    bool
+    pass(Tensor &grad)
     {
-        if (index >= grads.size())
-            return grads;
         std::vector<std::shared_ptr<Duty>> gone, owed;
         {
             std::lock_guard<std::mutex> held(lock);
@@ -591,105 +562,199 @@ struct GuardHook : public torch::autograd::FunctionPreHook {
                 if (!d->take_ran())
                     owed.push_back(d);
         }
-        if (owed.empty())
-            return grads;
-        variable_list out = grads;
         for (const auto &d : owed) {
             Tensor received = d->substitute_owed(); // an error leaves the duty: the next pass runs it again
-            out[index] = out[index].defined() ? out[index].add(received) : received;
+            grad = grad.defined() ? grad.add(received) : received;
             if (!d->alive) { // a freed node's backward runs once
                 std::lock_guard<std::mutex> held(lock);
                 duties.erase(std::remove(duties.begin(), duties.end(), d), duties.end());
             }
         }
+        return !owed.empty();
+    }
+
+  private:
+    void
+    take_settled(std::vector<std::shared_ptr<Duty>> &gone) // under ``lock``
+    {
+        auto settled = std::stable_partition(duties.begin(), duties.end(),
+                                             [](const std::shared_ptr<Duty> &d) { return !d->settled(); });
+        std::move(settled, duties.end(), std::back_inserter(gone));
+        duties.erase(settled, duties.end());
+    }
+};
+
+// The guard on a non-leaf's gradient where the tensor has no hook dict: a hook of its node, at the tensor's place
+// among that node's inputs (``guard`` adds to it only while the tensor has no hook dict, so that no hook of the
+// program's comes between its duties).
+struct GuardHook : public torch::autograd::FunctionPreHook {
+    const size_t index;
+    Guard guard;
+
+    explicit GuardHook(size_t index_) : index(index_) {}
+
+    variable_list
+    operator()(const variable_list &grads) override
+    {
+        if (index >= grads.size())
+            return grads;
+        Tensor grad = grads[index];
+        if (!guard.pass(grad))
+            return grads;
+        variable_list out = grads;
+        out[index] = std::move(grad);
         return out;
     }
 };
 
-static PyObject *ordered_dict = nullptr; // collections.OrderedDict, as torch's own hook dicts; held for good
-static PyObject *new_key = nullptr;      // object: a hook's key in a hook dict, unique, as the Python guard's Duty
+// A guard in a tensor's hook dict (``_backward_hooks``), under itself as its key: torch's hook of the tensor runs it
+// with the program's hooks and the Python guards, in the order they were put there.  A leaf's guards are always there
+// (its one C++ hook is that dict's: torch replaces it when the dict is set, so a hook of its own would be lost), and a
+// non-leaf's where it has a dict.  An exchange adds its duty to the dict's last entry where that is a guard, else to a
+// new guard put at the end: each duty runs at its exchange's place among the hooks, as the Python guard's hook runs.
+// A guard stays once its duties are settled (a call that does nothing), so that the next exchange of the tensor only
+// adds its duty; those that hold nothing are taken out when a new one is put in.  Marked ``__torch_unserializable__``,
+// as torch's ``unserializable_hook`` marks a hook that saving the tensor need not warn of.
+struct DictGuard {
+    PyObject_HEAD
+    std::shared_ptr<Guard> *guard; // owned
+};
 
-// The guard of one exchange in a tensor's hook dict (``_backward_hooks``), as the Python guard's hook: torch's hook
-// of the tensor runs it with the program's hooks and the Python guards, in the order they were put there.  A leaf's
-// guard is always there (its one C++ hook is that dict's: torch replaces it when the dict is set, so a guard of its
-// own would be lost), and a non-leaf's where it has a dict.  The hook is a builtin function (``dict_hook``) whose
-// ``self`` is a capsule holding its duty.  It goes when its node, having run, is freed (``Duty::node_freed``), or
-// once it ran the backward of a freed node.
-static const char *const DUTY_CAPSULE = "tensorplay_p2p.Duty";
+static PyTypeObject *dict_guard = nullptr; // DictGuard's type; held for good
 
 static void
-free_duty_capsule(PyObject *capsule)
+dict_guard_free(PyObject *self)
 {
-    delete static_cast<std::shared_ptr<Duty> *>(PyCapsule_GetPointer(capsule, DUTY_CAPSULE));
+    PyTypeObject *type = Py_TYPE(self);
+    delete reinterpret_cast<DictGuard *>(self)->guard; // its duties' calls may take the GIL: it is held
+    type->tp_free(self);
+    Py_DECREF(type);
 }
 
+// torch's hook of the tensor calls it with the tensor's gradient: None (left as it is), or the gradient with what the
+// owed backward passes received.
 static PyObject *
-dict_hook(PyObject *capsule, PyObject *grad)
+dict_guard_call(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     HANDLE_TH_ERRORS
-    auto *held = static_cast<std::shared_ptr<Duty> *>(PyCapsule_GetPointer(capsule, DUTY_CAPSULE));
-    if (held == nullptr)
+    PyObject *given = nullptr;
+    if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "a halo exchange's guard takes the gradient alone, with no keyword");
         return nullptr;
-    const std::shared_ptr<Duty> duty = *held; // alive through the call, whoever takes the hook out
-    if (duty->take_ran())
-        Py_RETURN_NONE;
-    if (duty->settled()) {
-        duty->take_out();
-        Py_RETURN_NONE;
     }
-    Tensor received = duty->substitute_owed();
-    if (!duty->alive)
-        duty->take_out(); // a freed node's backward runs once
-    if (!THPVariable_Check(grad))
-        return THPVariable_Wrap(std::move(received));
-    return THPVariable_Wrap(THPVariable_Unpack(grad).add(received));
+    if (!PyArg_UnpackTuple(args, "a halo exchange's guard", 1, 1, &given))
+        return nullptr;
+    const std::shared_ptr<Guard> guard = *reinterpret_cast<DictGuard *>(self)->guard;
+    Tensor grad = THPVariable_Check(given) ? THPVariable_Unpack(given) : Tensor();
+    if (!guard->pass(grad))
+        Py_RETURN_NONE;
+    return THPVariable_Wrap(std::move(grad));
     END_HANDLE_TH_ERRORS
 }
 
-static PyMethodDef dict_hook_def = {"tensorplay_p2p_guard", dict_hook, METH_O,
-                                    "The guard of a halo exchange on its input (autograd._graph.guard)."};
+// ``guard.owing()``: how many duties it holds that are not settled (the tests' view).
+static PyObject *
+dict_guard_owing(PyObject *self, PyObject *)
+{
+    return PyLong_FromSize_t((*reinterpret_cast<DictGuard *>(self)->guard)->held());
+}
 
-// Put ``duty`` on ``x``, as ``autograd._graph.guard`` puts the Python node's: a non-leaf without a hook dict gets it
-// in its node's hook (one for the tensor, made at its first exchange); otherwise it goes into the tensor's hook
-// dict, made where the leaf has none.
+static PyMethodDef dict_guard_methods[] = {
+    {"owing", dict_guard_owing, METH_NOARGS, "How many duties it holds that are not settled."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyType_Slot dict_guard_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void *>(dict_guard_free)},
+    {Py_tp_call, reinterpret_cast<void *>(dict_guard_call)},
+    {Py_tp_methods, dict_guard_methods},
+    {Py_tp_doc,
+     const_cast<char *>("The guard of the halo exchanges of a tensor, in its hook dict (autograd._graph.guard).")},
+    {0, nullptr},
+};
+
+static PyType_Spec dict_guard_spec = {"tensorplay_p2p.autograd._native.Guard", sizeof(DictGuard), 0,
+                                      Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, dict_guard_slots};
+
+static Guard &
+guard_of(PyObject *entry)
+{
+    return **reinterpret_cast<DictGuard *>(entry)->guard;
+}
+
+// The guard of the next exchange in ``hooks`` (a hook dict, not empty): its last entry where that is a guard (borrowed
+// from the dict), else none.
+static PyObject *
+last_guard(PyObject *hooks)
+{
+    py::object reversed = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(hooks, reversed_name));
+    if (!reversed)
+        throw py::error_already_set();
+    py::object last = py::reinterpret_steal<py::object>(PyIter_Next(reversed.ptr()));
+    if (!last && PyErr_Occurred())
+        throw py::error_already_set();
+    return last && Py_TYPE(last.ptr()) == dict_guard ? last.ptr() : nullptr; // a guard's key is itself
+}
+
+// The guard of the next exchange in ``hooks`` (a hook dict): the last entry where that is a guard, else a new one put
+// at the end, once the guards that hold nothing are taken out.
+static Guard &
+dict_guard_of(PyObject *hooks)
+{
+    if (PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) > 0) { // an OrderedDict is a dict
+        if (PyObject *last = last_guard(hooks))
+            return guard_of(last);
+        std::vector<py::object> idle;
+        PyObject *key, *value;
+        Py_ssize_t at = 0;
+        while (PyDict_Next(hooks, &at, &key, &value))
+            if (Py_TYPE(key) == dict_guard && guard_of(key).held() == 0)
+                idle.push_back(py::reinterpret_borrow<py::object>(key));
+        for (const auto &entry : idle)
+            if (PyObject_DelItem(hooks, entry.ptr()) != 0)
+                throw py::error_already_set();
+    }
+    PyObject *made = PyType_GenericAlloc(dict_guard, 0);
+    if (made == nullptr)
+        throw py::error_already_set();
+    py::object entry = py::reinterpret_steal<py::object>(made);
+    reinterpret_cast<DictGuard *>(made)->guard = new std::shared_ptr<Guard>(std::make_shared<Guard>());
+    if (PyObject_SetItem(hooks, made, made) != 0) // an OrderedDict's own order too
+        throw py::error_already_set();
+    return guard_of(made); // the dict holds it
+}
+
+// Put ``duty`` on ``x`` (``object``'s tensor), as ``autograd._graph.guard`` puts the Python node's: a non-leaf without
+// a hook dict gets it in its node's hook (``GuardHook``, one for the tensor, made at its first exchange); otherwise it
+// goes into the guard in the tensor's hook dict (``DictGuard``), the dict made where the leaf has none.
 static void
 guard(py::handle object, const Tensor &x, std::shared_ptr<Duty> duty)
 {
-    py::object hooks = object.attr("_backward_hooks");
+    PyObject *hooks = reinterpret_cast<THPVariable *>(object.ptr())->backward_hooks; // borrowed: ``_backward_hooks``
+    if (hooks == Py_None)
+        hooks = nullptr;
     const auto node = x.grad_fn();
-    if (node && hooks.is_none()) {
+    if (node && hooks == nullptr) {
         const size_t index = x.output_nr();
         for (auto &hook : node->tensor_pre_hooks()) {
             auto *existing = dynamic_cast<GuardHook *>(hook.get());
             if (existing != nullptr && existing->index == index) {
-                existing->add(std::move(duty));
+                existing->guard.add(std::move(duty));
                 return;
             }
         }
-        node->add_tensor_pre_hook(std::make_unique<GuardHook>(index, std::move(duty)));
+        auto made = std::make_unique<GuardHook>(index);
+        made->guard.add(std::move(duty));
+        node->add_tensor_pre_hook(std::move(made));
         return;
     }
-    if (hooks.is_none()) { // a leaf's first hook
-        hooks = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ordered_dict));
-        if (!hooks)
-            throw py::error_already_set();
-        object.attr("_backward_hooks") = hooks; // torch's setter makes the dict the leaf's hook
+    if (hooks == nullptr) { // a leaf's first hook
+        py::object dict = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ordered_dict));
+        if (!dict || PyObject_SetAttr(object.ptr(), backward_hooks_name, dict.ptr()) != 0)
+            throw py::error_already_set(); // torch's setter makes the dict the leaf's hook
+        hooks = dict.ptr();                // the tensor holds it
     }
-    py::object key = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(new_key));
-    py::object dict = py::reinterpret_steal<py::object>(PyWeakref_NewRef(hooks.ptr(), nullptr));
-    if (!key || !dict)
-        throw py::error_already_set();
-    auto *held = new std::shared_ptr<Duty>(duty);
-    py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(held, DUTY_CAPSULE, free_duty_capsule));
-    if (!capsule) {
-        delete held;
-        throw py::error_already_set();
-    }
-    py::object hook = py::reinterpret_steal<py::object>(PyCFunction_New(&dict_hook_def, capsule.ptr()));
-    if (!hook || PyObject_SetItem(hooks.ptr(), key.ptr(), hook.ptr()) != 0) // an OrderedDict's own order too
-        throw py::error_already_set();
-    duty->hooks = dict.release().ptr();
-    duty->key = key.release().ptr();
+    dict_guard_of(hooks).add(std::move(duty));
 }
 
 // What the native forward does with the exchange of ``object`` (``serves``).
@@ -849,7 +914,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("set_engine", &set_engine);
     m.def("counts", &counts);
     ordered_dict = py::object(py::module_::import("collections").attr("OrderedDict")).release().ptr();
-    new_key = reinterpret_cast<PyObject *>(&PyBaseObject_Type);
+    dict_guard = reinterpret_cast<PyTypeObject *>(PyType_FromSpec(&dict_guard_spec));
+    if (dict_guard == nullptr ||
+        PyObject_SetAttrString(reinterpret_cast<PyObject *>(dict_guard), "__torch_unserializable__", Py_True) != 0)
+        throw py::error_already_set();
+    m.attr("Guard") = py::handle(reinterpret_cast<PyObject *>(dict_guard));
     for (auto [name, text] : {std::pair{&fill_name, "fill"},
                               {&fill_as_name, "fill_as"},
                               {&fill_adjoint_name, "fill_adjoint"},
@@ -857,7 +926,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
                               {&native_name, "native"},
                               {&acquire_name, "acquire"},
                               {&release_name, "release"},
-                              {&halo_calls_name, "halo_calls"}}) {
+                              {&halo_calls_name, "halo_calls"},
+                              {&backward_hooks_name, "_backward_hooks"},
+                              {&reversed_name, "__reversed__"}}) {
         *name = PyUnicode_InternFromString(text);
         if (*name == nullptr)
             throw py::error_already_set();

@@ -17,6 +17,9 @@ of ``SIDES``, these series run interleaved in one job:
 - ``step``: forward and backward of ``(halo_exchange(x) * w).sum()``;
 - ``no exchange``: the same step without the exchange, ``(x * w).sum()``: torch's own part of both steps, so that
   ``step`` and ``DistDL-style`` less it are what each exchange adds to a step;
+- ``new leaf``: what ``forward`` makes each call besides the exchange, ``x.detach().requires_grad_()``, so that
+  ``forward`` less it is the exchange's own cost (the leaf's gradient accumulator and guard, which the exchange
+  makes, are in ``forward``'s part);
 - ``DistDL-style``: the same step through a hand-written ``torch.autograd.Function`` over mpi4py with numpy copies,
   as DistDL writes its halo exchange: ``.detach().numpy()``, then dimension by dimension one ``Sendrecv`` per side
   of contiguous copies (corners come from the second dimension's full rows), and the adjoint in reverse.
@@ -50,6 +53,7 @@ SERIES = (
     "step",
     "DistDL-style",
     "no exchange",
+    "new leaf",
 )
 COUNTS = {16: (2000, 100), 128: (1000, 50), 1024: (100, 10)}  # (iterations, warm-up) at scale 1
 MEMORY_STEPS = 10_000
@@ -157,6 +161,9 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     def bare() -> None:
         torch.autograd.backward((leaf * w).sum())
 
+    def new_leaf() -> None:
+        x.detach().requires_grad_()
+
     return {
         "forward": forward,
         "in place": in_place,
@@ -167,6 +174,7 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
         "step": step,
         "DistDL-style": distdl,
         "no exchange": bare,
+        "new leaf": new_leaf,
     }, plan.close
 
 
@@ -228,6 +236,12 @@ def _share(t: dict[str, float]) -> str:
     return f"{ours / theirs:.3g}" if ours > 0 and theirs > 0 else "n/a"  # within the noise
 
 
+def _own_forward(t: dict[str, float]) -> str:
+    """The exchange's own forward (``forward`` less the leaf it is given) over a copy and the persistent step."""
+    own = t["forward"] - t["new leaf"]
+    return f"{own / t['clone + persistent']:.3g}" if own > 0 else "n/a"  # within the noise
+
+
 def _own_backward(t: dict[str, float]) -> str:
     """The exchange's own backward (the backward call less a one-node graph's) over its forward."""
     own = t["backward"] - t["backward of a clone"]
@@ -243,6 +257,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
         "forward / persistent",
         "in place / persistent",
         "forward / (clone + persistent)",
+        "(forward - new leaf) / (clone + persistent)",
         "backward / forward",
         "(backward - backward of a clone) / forward",
         "step / DistDL-style",
@@ -259,6 +274,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
                 f"{t['forward'] / t['persistent']:.3g}",
                 f"{t['in place'] / t['persistent']:.3g}",
                 f"{t['forward'] / t['clone + persistent']:.3g}",
+                _own_forward(t),
                 f"{t['backward'] / t['forward']:.3g}",
                 _own_backward(t),
                 f"{t['step'] / t['DistDL-style']:.3g}",

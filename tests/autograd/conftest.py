@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -30,3 +31,16 @@ def substitutes() -> Iterator[list[int]]:
         _halo._substitute = substitute
         if _native.nodes is not None:
             _native.nodes.set_functions(_halo.adjoint, substitute)
+
+
+@pytest.fixture
+def owing() -> Callable[[Any], list[Any]]:
+    """What lists the guards in a tensor's hook dict that may still owe a backward: every Python guard's hook there
+    (it goes once it owes nothing), and the native guard where it holds a duty (it stays, holding none)."""
+
+    def owed(tensor: Any) -> list[Any]:
+        hooks = tensor._backward_hooks or {}
+        guard = _native.nodes.Guard if _native.nodes is not None else ()
+        return [hook for hook in hooks.values() if not isinstance(hook, guard) or hook.owing()]
+
+    return owed

@@ -213,15 +213,16 @@ def test_autograd_table_prints_every_series_and_its_ratios() -> None:
     rows = [line.split() for line in lines[2:] if line.split() and "x" in line.split()[0]]
     assert [r[0] for r in rows] == ["16x16", "128x128", "1024x1024"], done.stdout
     for row in rows:
-        values = [float(v) for v in row[1:11]]
-        ranks, forward, in_place, persistent, floor, backward, _, step, distdl, _ = values
+        values = [float(v) for v in row[1:12]]
+        ranks, forward, in_place, persistent, floor, backward, _, step, distdl, _, _ = values
         assert ranks == 2 and min(values[1:]) > 0
-        ratios = [float(v) for v in (*row[11:15], row[16])]
+        ratios = [float(v) for v in (*row[12:15], row[16], row[18])]
         expected = [forward / persistent, in_place / persistent, forward / floor, backward / forward, step / distdl]
         assert all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(ratios, expected, strict=True)), row
-        assert _printed_quotient(row[15], _between(row[6], row[7]), _between(row[2])), row
-        assert _printed_quotient(row[17], _between(row[8], row[10]), _between(row[9], row[10])), row
-        assert len(row) == 18, row
+        assert _printed_quotient(row[15], _between(row[2], row[11]), _between(row[5])), row  # forward less its leaf
+        assert _printed_quotient(row[17], _between(row[6], row[7]), _between(row[2])), row
+        assert _printed_quotient(row[19], _between(row[8], row[10]), _between(row[9], row[10])), row
+        assert len(row) == 20, row
     assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
 
 
