@@ -14,8 +14,8 @@ that a member's backward joins, whatever its own inputs and loss:
   gradient): where a member's backward reaches an op's input but not its output (its loss ignores what it received; a
   send whose output it dropped), a hook on the input runs the op's backward in its place, with zero gradients for the
   outputs, and adds what it receives into the input's gradient.  So a dropped send is never pruned: its gradient is
-  received.  The hook lives as long as the op's node.  The native node of ``halo_exchange`` keeps a guard of the same
-  rules in C++ (``_native.cpp``).
+  received.  The hook lives as long as the op's node (under compiled autograd, until the node ran).  The native node
+  of ``halo_exchange`` keeps a guard of the same rules in C++ (``_native.cpp``).
 
 A member whose backward reaches neither leaves its peers waiting: their wait's timeout names the message.
 """
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo import compiled_autograd as _compiled_autograd
 from torch.autograd import forward_ad
 
 __all__ = ["Duty", "anchor", "anchors", "differentiable", "guard", "ran", "vmapped"]
@@ -126,14 +127,19 @@ _JVP = torch._C._functorch.TransformType.Jvp
 
 class Duty:
     """What an op's backward owes its peers: how many of this member's backward passes ran its node and were not yet
-    seen by the input's hook (``ran``), whether it ever ran, and how to run it with zero output gradients
-    (``substitute``, which returns the gradient of the guarded input)."""
+    seen by the input's hook (``ran``), whether it ever ran, whether compiled autograd ran it (``traced``), and how to
+    run it with zero output gradients (``substitute``, which returns the gradient of the guarded input).
 
-    __slots__ = ("ever_ran", "ran", "substitute")
+    A node compiled autograd ran owes nothing more, whether or not it is still alive: its tracer keeps the nodes it ran
+    in reference cycles until a garbage collection, whose time differs between members, so the hook would otherwise
+    run the backward of a node it sees alive and not reached on some members only (and of every earlier step)."""
+
+    __slots__ = ("ever_ran", "ran", "substitute", "traced")
 
     def __init__(self, substitute: Callable[[], Any]) -> None:
         self.ran = 0
         self.ever_ran = False
+        self.traced = False
         self.substitute = substitute
 
 
@@ -152,6 +158,9 @@ def guard(node: Any, tensor: Any, substitute: Callable[[], Any]) -> None:
     def hook(grad: Any) -> Any:
         if duty.ran:
             duty.ran -= 1  # the node ran in this pass
+            return None
+        if duty.traced:
+            handle.remove()  # it ran under compiled autograd: nothing more is owed
             return None
         if duty.ever_ran and alive() is None:
             return None
@@ -207,3 +216,5 @@ def ran(ctx: Any) -> None:
     if duty is not None:
         duty.ran += 1
         duty.ever_ran = True
+        if _compiled_autograd.in_compiled_autograd_region:
+            duty.traced = True

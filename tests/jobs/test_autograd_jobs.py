@@ -214,6 +214,43 @@ def test_neighbours_whose_shapes_differ_are_caught_on_the_compiled_pass(tmp_path
         assert counts in ("COUNTS None", "COUNTS (2, 0)"), counts  # None: the pure-Python engine
 
 
+def test_under_compiled_autograd_a_guard_owes_nothing_once_its_node_ran(tmp_path: Path) -> None:
+    """Out of place, step after step on one leaf under compiled autograd, whose tracer keeps the nodes it ran alive in
+    reference cycles until a garbage collection (whose time differs between members): each step's input hook owes
+    nothing once its node ran.  It used to see them alive and not reached, and ran every earlier step's backward again
+    at each later pass (on one member and not its peer, where one collected its garbage first)."""
+    if env_flag("TENSORPLAY_P2P_CHECK"):  # dynamo traces the Python adjoint
+        pytest.skip("compiled autograd cannot trace a checked-mode message's header")
+    code = """
+        import torch
+        import tensorplay_p2p as dist
+        from tensorplay_p2p import autograd as ag
+        from tensorplay_p2p.autograd import _halo
+        from torch._dynamo import compiled_autograd
+
+        torch.set_num_threads(1)
+        rank = dist.get_rank()
+        line = dist.new_cart_group((0,), True)
+        x = torch.arange(5, dtype=torch.float64) + rank
+        once = x.clone().requires_grad_(True)
+        ag.halo_exchange(once, line, 1).sum().backward()
+        substitute, substituted, hooks = _halo._substitute, [], []
+        _halo._substitute = lambda plan, call: (substituted.append(call), substitute(plan, call))[1]
+        leaf = x.clone().requires_grad_(True)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            for _ in range(4):
+                ag.halo_exchange(leaf, line, 1).sum().backward()
+                hooks.append(len(leaf._backward_hooks or {}))
+        steps = torch.equal(leaf.grad, 4 * once.grad)
+        with open(f"result.{rank}", "w") as f:
+            f.write(f"hooks {max(hooks)} substitutes {len(substituted)} steps {steps}")
+    """
+    rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
+    assert rc == 0, output
+    for rank in (0, 1):
+        assert (tmp_path / f"result.{rank}").read_text() == "hooks 1 substitutes 0 steps True", output
+
+
 def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path) -> None:
     if env_flag("TENSORPLAY_P2P_CHECK"):  # dynamo traces the Python adjoint
         pytest.skip("compiled autograd cannot trace a checked-mode message's header")
