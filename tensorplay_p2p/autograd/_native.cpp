@@ -617,7 +617,7 @@ struct GuardHook : public torch::autograd::FunctionPreHook {
 // as torch's ``unserializable_hook`` marks a hook that saving the tensor need not warn of.
 struct DictGuard {
     PyObject_HEAD
-    std::shared_ptr<Guard> *guard; // owned
+    Guard *guard; // owned: alive while the object is, which its caller holds through a call
 };
 
 static PyTypeObject *dict_guard = nullptr; // DictGuard's type; held for good
@@ -644,9 +644,9 @@ dict_guard_call(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if (!PyArg_UnpackTuple(args, "a halo exchange's guard", 1, 1, &given))
         return nullptr;
-    const std::shared_ptr<Guard> guard = *reinterpret_cast<DictGuard *>(self)->guard;
+    Guard &guard = *reinterpret_cast<DictGuard *>(self)->guard;
     Tensor grad = THPVariable_Check(given) ? THPVariable_Unpack(given) : Tensor();
-    if (!guard->pass(grad))
+    if (!guard.pass(grad))
         Py_RETURN_NONE;
     return THPVariable_Wrap(std::move(grad));
     END_HANDLE_TH_ERRORS
@@ -656,7 +656,7 @@ dict_guard_call(PyObject *self, PyObject *args, PyObject *kwargs)
 static PyObject *
 dict_guard_owing(PyObject *self, PyObject *)
 {
-    return PyLong_FromSize_t((*reinterpret_cast<DictGuard *>(self)->guard)->held());
+    return PyLong_FromSize_t(reinterpret_cast<DictGuard *>(self)->guard->held());
 }
 
 static PyMethodDef dict_guard_methods[] = {
@@ -679,7 +679,7 @@ static PyType_Spec dict_guard_spec = {"tensorplay_p2p.autograd._native.Guard", s
 static Guard &
 guard_of(PyObject *entry)
 {
-    return **reinterpret_cast<DictGuard *>(entry)->guard;
+    return *reinterpret_cast<DictGuard *>(entry)->guard;
 }
 
 // The guard of the next exchange in ``hooks`` (a hook dict, not empty): its last entry where that is a guard (borrowed
@@ -718,7 +718,7 @@ dict_guard_of(PyObject *hooks)
     if (made == nullptr)
         throw py::error_already_set();
     py::object entry = py::reinterpret_steal<py::object>(made);
-    reinterpret_cast<DictGuard *>(made)->guard = new std::shared_ptr<Guard>(std::make_shared<Guard>());
+    reinterpret_cast<DictGuard *>(made)->guard = new Guard();
     if (PyObject_SetItem(hooks, made, made) != 0) // an OrderedDict's own order too
         throw py::error_already_set();
     return guard_of(made); // the dict holds it

@@ -236,16 +236,11 @@ def _share(t: dict[str, float]) -> str:
     return f"{ours / theirs:.3g}" if ours > 0 and theirs > 0 else "n/a"  # within the noise
 
 
-def _own_forward(t: dict[str, float]) -> str:
-    """The exchange's own forward (``forward`` less the leaf it is given) over a copy and the persistent step."""
-    own = t["forward"] - t["new leaf"]
-    return f"{own / t['clone + persistent']:.3g}" if own > 0 else "n/a"  # within the noise
-
-
-def _own_backward(t: dict[str, float]) -> str:
-    """The exchange's own backward (the backward call less a one-node graph's) over its forward."""
-    own = t["backward"] - t["backward of a clone"]
-    return f"{own / t['forward']:.3g}" if own > 0 else "n/a"  # within the noise
+def _less_over(t: dict[str, float], series: str, less: str, over: str) -> str:
+    """``series`` less ``less`` over ``over``: the exchange's own forward (``forward`` less the leaf it is given) over a
+    copy and the persistent step, its own backward (the backward call less a one-node graph's) over its forward."""
+    own = t[series] - t[less]
+    return f"{own / t[over]:.3g}" if own > 0 else "n/a"  # within the noise
 
 
 def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] | None, markdown: bool = False) -> str:
@@ -274,9 +269,9 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
                 f"{t['forward'] / t['persistent']:.3g}",
                 f"{t['in place'] / t['persistent']:.3g}",
                 f"{t['forward'] / t['clone + persistent']:.3g}",
-                _own_forward(t),
+                _less_over(t, "forward", "new leaf", "clone + persistent"),
                 f"{t['backward'] / t['forward']:.3g}",
-                _own_backward(t),
+                _less_over(t, "backward", "backward of a clone", "forward"),
                 f"{t['step'] / t['DistDL-style']:.3g}",
                 _share(t),
             ]
