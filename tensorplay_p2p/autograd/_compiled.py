@@ -19,13 +19,14 @@ import torch
 from .._src.persistent.cart import CartGroup
 from . import _halo
 
-__all__ = ["halo_exchange", "registered"]
+__all__ = ["CONSTANT_MARK", "halo_exchange", "registered"]
+
+CONSTANT_MARK = "_dynamo_marked_constant"  # the attribute by which torch.compile takes a function's result as constant
 
 registered: weakref.WeakValueDictionary[int, CartGroup] = weakref.WeakValueDictionary()  # the groups given, by number
 _given = itertools.count()
 
 
-@torch.compiler.assume_constant_result  # run when traced; the graph keeps the number
 def _number_of(group: CartGroup) -> int:
     for number, known in list(registered.items()):
         if known is group:
@@ -33,6 +34,12 @@ def _number_of(group: CartGroup) -> int:
     number = next(_given)
     registered[number] = group
     return number
+
+
+# Run when traced; the graph keeps the number.  This is what ``torch.compiler.assume_constant_result`` does to a
+# function, which would import torch._dynamo (about 2 s of CPU) at every import of the package's autograd;
+# tests/autograd/test_imports.py checks that the decorator still does no more than this.
+setattr(_number_of, CONSTANT_MARK, True)
 
 
 def _pairs(widths: list[int]) -> _halo.Widths:

@@ -22,18 +22,26 @@ A member whose backward reaches neither leaves its peers waiting: their wait's t
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo import compiled_autograd as _compiled_autograd
 from torch.autograd import forward_ad
 
-__all__ = ["Duty", "anchor", "anchors", "differentiable", "guard", "ran", "vmapped"]
+__all__ = ["Duty", "anchor", "anchors", "compiled_autograd", "differentiable", "guard", "ran", "vmapped"]
 
 _anchor: Any = None
+
+
+def compiled_autograd() -> Any:
+    """torch's compiled-autograd module (``torch._dynamo.compiled_autograd``) where the program imported it, else None.
+    Compiled autograd is on, or runs a pass, only once that module is imported, so a program that never imported it has
+    neither; and importing it here would import ``torch._dynamo``, about 2 s of CPU at every import of
+    ``tensorplay_p2p.autograd`` (``tests/autograd/test_imports.py``)."""
+    return sys.modules.get("torch._dynamo.compiled_autograd")
 
 
 def anchor() -> Any:
@@ -216,5 +224,6 @@ def ran(ctx: Any) -> None:
     if duty is not None:
         duty.ran += 1
         duty.ever_ran = True
-        if _compiled_autograd.in_compiled_autograd_region:
+        compiled = compiled_autograd()
+        if compiled is not None and compiled.in_compiled_autograd_region:
             duty.traced = True

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from mpi4py import MPI
-from torch._dynamo import compiled_autograd as _compiled_autograd
 from torch.autograd import forward_ad
 
 from .._src import engine, errors
@@ -753,7 +752,10 @@ def _eager() -> bool:
     marks it dirty instead), where the Python node would be a plain ``Function``'s (no torch.func transform or wrapper,
     profiler or anomaly mode to serve, no tensor subclass's torch function); with grad mode off or on integers it runs
     the exchange alone, with no node, as the Python path does there."""
-    return forward_ad._current_level < 0 and not _compiling() and not _compiled_autograd.compiled_autograd_enabled
+    if forward_ad._current_level >= 0 or _compiling():
+        return False
+    compiled = _graph.compiled_autograd()
+    return compiled is None or not compiled.compiled_autograd_enabled
 
 
 _compiling = torch.compiler.is_compiling

@@ -243,12 +243,13 @@ def test_under_compiled_autograd_a_guard_owes_nothing_once_its_node_ran(tmp_path
                 hooks.append(len(leaf._backward_hooks or {}))
         steps = torch.equal(leaf.grad, 4 * once.grad)
         with open(f"result.{rank}", "w") as f:
-            f.write(f"hooks {max(hooks)} substitutes {len(substituted)} steps {steps}")
+            # at most one: the last step's hook, until its node is freed (the tracer's cycles keep it to a collection)
+            f.write(f"hooks {max(hooks) <= 1} substitutes {len(substituted)} steps {steps}")
     """
     rc, _, output = run_job(tmp_path, 2, code, limit=LIMIT)
     assert rc == 0, output
     for rank in (0, 1):
-        assert (tmp_path / f"result.{rank}").read_text() == "hooks 1 substitutes 0 steps True", output
+        assert (tmp_path / f"result.{rank}").read_text() == "hooks True substitutes 0 steps True", output
 
 
 def test_a_compiled_training_step_keeps_the_exchange_in_its_graph(tmp_path: Path) -> None:
