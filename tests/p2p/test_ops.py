@@ -251,6 +251,41 @@ def test_is_completed_polls_until_done() -> None:
     np.testing.assert_array_equal(into, np.full(3, 2.0))
 
 
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_timed_wait_sleeps_between_tests_only_on_an_oversubscribed_node(
+    monkeypatch: pytest.MonkeyPatch, oversubscribed: bool
+) -> None:
+    """MPI moves a strided (packed) message, or one on a network path, only while it is tested: a timed wait yields
+    the core between tests, as MPI's wait spins (a strided 64 MiB exchange took 10 s with pauses of 1 ms between
+    tests, 0.4 s without), and sleeps only where the ranks outnumber the cores."""
+    from tensorplay_p2p._src.p2p import work as works
+    from tensorplay_p2p._src.settings import state
+
+    pauses = {"yield": 0, "sleep": 0}
+    sleep = time.sleep
+
+    def slept(seconds: float) -> None:
+        pauses["sleep"] += 1
+        sleep(seconds)
+
+    def yielded() -> None:
+        pauses["yield"] += 1
+
+    monkeypatch.setattr(state, "oversubscribed", oversubscribed)
+    monkeypatch.setattr(works, "_yield", yielded)
+    monkeypatch.setattr(time, "sleep", slept)
+    answers = iter([False] * 5 + [True])
+    works.poll(lambda: next(answers), WAIT, lambda now: [])
+    assert pauses == ({"yield": 0, "sleep": 5} if oversubscribed else {"yield": 5, "sleep": 0}), pauses
+    into = np.full((40, 2), -1.0)
+    receive = dist.irecv(into[:, 1], src=PREV, tag=42)
+    dist.isend(np.full((40, 2), float(RANK))[:, 0], dst=NEXT, tag=42).wait(timeout=WAIT)
+    receive.wait(timeout=WAIT)
+    assert np.all(into[:, 1] == PREV) and np.all(into[:, 0] == -1.0)
+    if not oversubscribed:
+        assert pauses["sleep"] == 0, pauses
+
+
 def test_pending_work_keeps_tensor_alive_and_releases_it_after() -> None:
     import gc
     import weakref
