@@ -6,6 +6,7 @@ Every test module takes RANK, SIZE, NEXT, PREV and WAIT from here, so that one b
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -28,6 +29,13 @@ WAIT = 120.0  # seconds; a lost message fails the test instead of hanging the su
 # Any-source receives fail on some MPI set-ups (docs/troubleshooting.md, "Any-source receives that never
 # complete"): when they do, the message is there already, so a short bound reports it in seconds, not after WAIT.
 ANY_SOURCE_WAIT = 30.0
+_LAUNCHER_VARIABLES = ("PMI_", "PMIX_", "HYDRA_", "MPI_", "OMPI_")
+
+
+def singleton_env() -> dict[str, str]:
+    """This environment without the launcher's variables: a process started with it is a fresh singleton (a world of
+    its own), not a rank of this job."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARIABLES)}
 
 
 def read_only(a: np.ndarray) -> np.ndarray:

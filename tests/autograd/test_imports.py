@@ -9,12 +9,11 @@ package reads is still what torch writes, so that a torch upgrade cannot silentl
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
-from world import SIZE
+from world import SIZE, singleton_env
 
 torch = pytest.importorskip("torch")
 from tensorplay_p2p.autograd import _compiled, _graph  # noqa: E402
@@ -22,8 +21,7 @@ from tensorplay_p2p.autograd import _compiled, _graph  # noqa: E402
 
 @pytest.mark.skipif(SIZE != 1, reason="a fresh process of its own: once, in the run at world size 1")
 def test_importing_the_differentiable_ops_does_not_import_torch_s_compiler() -> None:
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_", "OMPI_")  # a fresh singleton process, not a rank of this job
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env = singleton_env()
     code = (
         "import sys, torch\n"
         "import tensorplay_p2p.autograd, tensorplay_p2p.torch\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpi4py import MPI
-from world import RANK, SIZE
+from world import RANK, SIZE, singleton_env
 
 import tensorplay_p2p as dist
 from tensorplay_p2p import bench
@@ -96,8 +95,7 @@ def test_merge_names_each_runs_tensorplay_series_by_engine(tmp_path: Path, capsy
 def test_importing_the_benchmark_does_not_import_torch() -> None:
     if RANK != 0:
         return
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_", "OMPI_")  # a fresh singleton process, not a rank of this job
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env = singleton_env()
     code = "import sys, tensorplay_p2p.bench; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=env, check=False, timeout=60).returncode == 0
 

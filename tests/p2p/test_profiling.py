@@ -4,7 +4,6 @@ cost without a profiler, and nothing of torch is imported for it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mpi4py import MPI
-from world import ANY_SOURCE_WAIT, NEXT, PREV, RANK, SIZE, WAIT, await_message, wait_or_cancel
+from world import ANY_SOURCE_WAIT, NEXT, PREV, RANK, SIZE, WAIT, await_message, singleton_env, wait_or_cancel
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src.p2p import profiling
@@ -281,8 +280,7 @@ def test_no_torch_profiler_module_means_inactive(monkeypatch: pytest.MonkeyPatch
 def test_the_package_does_not_import_torch_for_profiling() -> None:
     if RANK != 0:
         return
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPI_", "OMPI_")  # a fresh singleton process, not a rank of this job
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env = singleton_env()
     code = (
         "import sys, numpy as np, tensorplay_p2p as d\n"
         "from tensorplay_p2p._src.p2p import profiling\n"
