@@ -98,7 +98,9 @@ if "$python" -c "import torch" 2>/dev/null; then
     echo "=== autograd nodes: $(timeout -k 15 "$limit" "$python" -m tensorplay_p2p build-nodes 2>&1 | tail -n 1)${label:+ ($label)} ==="
 fi
 # The other MPI library's venv (see its runs below) is made while the suite runs here: its install keeps one core busy
-# for about two minutes, and the run at 1 rank leaves one idle.
+# for about two minutes, and the run at 1 rank leaves one idle.  It runs at the lowest priority: beside a run whose
+# ranks fill the cores it took their time (the run at 2 ranks took 87 s beside it, 48 s alone), and a rank waiting
+# for a peer it had pushed off a core spins for nothing; at nice 19 it takes the cores the runs leave idle.
 other_pid=""
 if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH here: the other library in its own venv
     other_venv="$root/.venv-$other_mpi"
@@ -115,7 +117,7 @@ if [ -n "$other_mpi" ] && [ "${launch[*]}" = "${launch[0]}" ]; then  # MPICH her
         fi
     }
     echo "=== installing the package with the $other_mpi wheel into $(basename "$other_venv"), beside the runs below ==="
-    install_other_mpi >"$reports/install-$other_mpi.log" 2>&1 &
+    { renice -n 19 "$BASHPID" >/dev/null 2>&1; install_other_mpi; } >"$reports/install-$other_mpi.log" 2>&1 &
     other_pid=$!
 fi
 
