@@ -489,8 +489,8 @@ _recent: dict[tuple[Any, ...], Plan] = {}  # by the arguments as given (hashable
 
 def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
     """The plan for ``x``'s shape, dtype and device on ``group``, built at first use."""
-    try:
-        plan = _recent.get((id(group), halo, corners, x.shape, x.dtype, x.device))
+    try:  # a bool halo equals an int in the key, and is refused below
+        plan = None if halo.__class__ is bool else _recent.get((id(group), halo, corners, x.shape, x.dtype, x.device))
     except (TypeError, AttributeError):  # a halo in a list; not a tensor (refused below)
         plan = None
     if plan is not None and plan.group is group and plan.side.group.communicator is not None:
@@ -700,12 +700,18 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
         ValueError: bad ``halo``; ``x`` has fewer dimensions than the grid; an interior thinner than the widest
             ghost region it fills (the ghost width is larger than the block).
     """
-    if torch.compiler.is_compiling():
+    if _compiling():
         return compiled(x, group, halo, corners)
-    plan = plan_for(x, group, halo, corners, "halo_exchange")
     native = _native.nodes
-    if native is not None and _eager():
-        y = native.exchange(x, plan)  # None where the native code does not serve x's exchange: nothing done
+    if native is not None and not _eager():
+        native = None
+    if native is not None:  # None where the native code does not serve the exchange: nothing done
+        y = native.exchange_by(x, None, group, halo, corners, False)  # the plan it kept for these arguments
+        if y is not None:
+            return y
+    plan = plan_for(x, group, halo, corners, "halo_exchange")
+    if native is not None:
+        y = native.exchange_by(x, plan, group, halo, corners, False)
         if y is not None:
             return y
     call = number(plan)
@@ -735,10 +741,16 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
         TypeError, ValueError: as ``halo_exchange``; RuntimeError: ``x`` is a leaf that requires a gradient; under
             ``torch.func.vmap``, ``x`` is not batched on this process while its peers' blocks are.
     """
-    plan = plan_for(x, group, halo, corners, "halo_exchange_")
     native = _native.nodes
-    if native is not None and _eager():
-        done = native.exchange_in_place(x, plan)  # None where the native code does not serve it: nothing done
+    if native is not None and not _eager():
+        native = None
+    if native is not None:  # None where the native code does not serve the exchange: nothing done
+        done = native.exchange_by(x, None, group, halo, corners, True)  # the plan it kept for these arguments
+        if done is not None:
+            return done
+    plan = plan_for(x, group, halo, corners, "halo_exchange_")
+    if native is not None:
+        done = native.exchange_by(x, plan, group, halo, corners, True)
         if done is not None:
             return done
     return apply(_FillInPlace, x, plan, number(plan), *_anchored(x))

@@ -3,9 +3,10 @@
 //
 // A ``torch.autograd.Function`` costs about 3 us a call in Python, more than a small exchange's whole persistent
 // step: the package's exchanges instead record these nodes, wired as torch's generated code wires its own ops' nodes.
-// Each exchange's forward is one call from Python (``exchange_in_place``, ``exchange``), which runs the exchange (the
-// compiled engine's pass run from here with no Python, the call numbered and its slot claimed here as ``Plan.fill``
-// does, where the engine takes it; else ``Plan.fill``) and then records the node:
+// Each exchange's forward is one call from Python (``exchange_by``), which finds the exchange's plan (kept here for the
+// arguments the program gave, else given by Python), runs the exchange (the compiled engine's pass run from here with
+// no Python, the call numbered and its slot claimed here as ``Plan.fill`` does, where the engine takes it; else
+// ``Plan.fill``) and then records the node:
 //
 // - ``halo_exchange_`` (``fill_in_place``): in torch's order for an in-place op (``check_inplace``,
 //   ``collect_next_edges``, ``increment_version``, ``rebase_history``).
@@ -38,6 +39,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace py = pybind11;
@@ -48,8 +50,8 @@ static PyObject *adjoint = nullptr;    // owned: autograd._halo.adjoint(grad, pl
 static PyObject *substitute = nullptr; // owned: autograd._halo._substitute(plan, call)
 static PyObject *fill_name = nullptr, *fill_as_name = nullptr, *fill_adjoint_name = nullptr, *failed_name = nullptr,
                 *native_name = nullptr, *acquire_name = nullptr, *release_name = nullptr, *halo_calls_name = nullptr,
-                *backward_hooks_name = nullptr,
-                *reversed_name = nullptr; // the Python names it reads and calls; held for good
+                *backward_hooks_name = nullptr, *reversed_name = nullptr, *communicator_name = nullptr,
+                *group_name = nullptr; // the Python names it reads and calls; held for good
 
 // The compiled engine's passes for a caller that runs no Python (``_accel.c``'s ``native_api`` capsule, as it
 // declares it), handed over by ``set_engine``; none with the pure-Python engine.
@@ -862,10 +864,132 @@ exchange(py::handle object, py::handle plan)
     return py::cast(how == Serve::node ? fill_out_of_place(object, x, y, plan, number) : y);
 }
 
+// The plans ``autograd._halo.plan_for`` gave the exchanges lately, by the arguments the program gave (``exchange_by``),
+// so that a call whose plan is among them finds it with no Python code run: ``plan_for``'s lookup costs a few
+// microseconds, more than this module's whole forward on a small block.  Only a ``halo`` given as an ``int`` and
+// ``corners`` as an ``int`` or ``bool`` are kept, read by value (a tuple or a list is found by ``plan_for``, as
+// before), and at most ``KNOWN`` entries, the oldest dropped first.  A plan whose group was destroyed is dropped when
+// next found
+// (``plan_for`` makes its successor).  Read and written under ``known_lock``, which is never held while Python code
+// runs: an entry leaves the list before its objects are released, since a plan's release may run Python code.  Never
+// freed: no object is released after the interpreter.
+struct Known {
+    py::object plan, side; // ``side``: ``plan.side.group``, whose ``communicator`` is None once the group is destroyed
+    PyObject *group;       // the plan's own group, which the plan holds
+    long long halo;
+    bool corners;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+    at::Device device;
+};
+static constexpr size_t KNOWN = 16;
+static auto *const known = new std::vector<Known>();
+static std::mutex known_lock;
+
+// ``number``'s value where it is an ``int``, or with ``flag`` a ``bool`` too, else nothing (a subclass's ``==`` may
+// differ; a halo is never a ``bool``: ``plan_for`` refuses one).
+static std::optional<long long>
+whole(PyObject *number, bool flag)
+{
+    if (!PyLong_CheckExact(number) && !(flag && PyBool_Check(number)))
+        return std::nullopt;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(number, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return std::nullopt;
+    }
+    return value;
+}
+
+// The plan kept for ``x`` on ``group`` with ``halo`` and ``corners``; None where none is.
+static py::object
+known_plan(const Tensor &x, PyObject *group, PyObject *halo, PyObject *corners)
+{
+    const auto h = whole(halo, false), c = whole(corners, true);
+    if (!h || !c)
+        return py::none();
+    const auto sizes = x.sizes();
+    py::object plan, side;
+    {
+        const std::lock_guard<std::mutex> hold(known_lock);
+        const auto found = std::find_if(known->begin(), known->end(), [&](const Known &entry) {
+            return entry.group == group && entry.halo == *h && entry.corners == (*c != 0) &&
+                   entry.dtype == x.scalar_type() && entry.device == x.device() &&
+                   std::equal(sizes.begin(), sizes.end(), entry.sizes.begin(), entry.sizes.end());
+        });
+        if (found == known->end())
+            return py::none();
+        plan = found->plan;
+        side = found->side;
+    }
+    if (!side.attr(communicator_name).is_none())
+        return plan;
+    std::optional<Known> gone; // released once the lock is
+    {
+        const std::lock_guard<std::mutex> hold(known_lock);
+        const auto dead = std::find_if(known->begin(), known->end(),
+                                       [&](const Known &entry) { return entry.plan.ptr() == plan.ptr(); });
+        if (dead != known->end()) {
+            gone.emplace(std::move(*dead));
+            known->erase(dead);
+        }
+    }
+    return py::none();
+}
+
+// Keep ``plan`` (``plan_for``'s for ``x`` on ``group`` with ``halo`` and ``corners``) for ``known_plan``, unless kept.
+static void
+keep(py::handle plan, const Tensor &x, PyObject *group, PyObject *halo, PyObject *corners)
+{
+    const auto h = whole(halo, false), c = whole(corners, true);
+    if (!h || !c || !known_plan(x, group, halo, corners).is_none())
+        return;
+    if (plan.attr(group_name).ptr() != group) // not the plan of this group: nothing is kept
+        return;
+    Known entry{py::reinterpret_borrow<py::object>(plan),
+                plan.attr("side").attr(group_name),
+                group,
+                *h,
+                *c != 0,
+                std::vector<int64_t>(x.sizes().begin(), x.sizes().end()),
+                x.scalar_type(),
+                x.device()};
+    std::optional<Known> oldest; // released once the lock is
+    const std::lock_guard<std::mutex> hold(known_lock);
+    if (known->size() >= KNOWN) {
+        oldest.emplace(std::move(known->front()));
+        known->erase(known->begin());
+    }
+    known->push_back(std::move(entry));
+}
+
+// ``halo_exchange``'s forward (``in_place`` false; ``exchange``) or ``halo_exchange_``'s (``exchange_in_place``) on
+// ``object`` where the native code serves it, from the arguments the program gave: with ``plan`` None, on the plan
+// kept for them (``known_plan``), where one is; else on ``plan`` (``plan_for``'s, kept first for the next call alike).
+// None where nothing is done: the native code does not serve it, or no plan is kept for these arguments.
+static py::object
+exchange_by(py::handle object, py::handle plan, py::handle group, py::handle halo, py::handle corners, bool in_place)
+{
+    if (!THPVariable_CheckExact(object.ptr()))
+        return py::none();
+    const Tensor &x = THPVariable_Unpack(object.ptr());
+    py::object given; // held while it runs: a release of the list's entry cannot free it
+    if (plan.is_none()) {
+        given = known_plan(x, group.ptr(), halo.ptr(), corners.ptr());
+        if (given.is_none())
+            return given;
+    } else {
+        keep(plan, x, group.ptr(), halo.ptr(), corners.ptr());
+        given = py::reinterpret_borrow<py::object>(plan);
+    }
+    return in_place ? exchange_in_place(object, given) : exchange(object, given);
+}
+
 // What the lean adjoints did in this process: ``{"in place": n, "copied": m, "without Python": k}`` (on a gradient that
 // nothing else held, or on its copy; and of them, those whose compiled pass ran from here with no Python), and
-// ``"forward without Python"``: the forward passes that did.  Python cannot see the first two otherwise: a tensor it
-// has seen keeps a second reference, and is copied.
+// ``"forward without Python"``: the forward passes that did; ``"plans kept"``: the plans ``known_plan`` finds.  Python
+// cannot see the first two otherwise: a tensor it has seen keeps a second reference, and is copied.
 static py::dict
 counts()
 {
@@ -874,6 +998,7 @@ counts()
     out["copied"] = adjoints_copied.load();
     out["without Python"] = adjoints_without_python.load();
     out["forward without Python"] = forwards_without_python.load();
+    out["plans kept"] = known->size();
     return out;
 }
 
@@ -907,9 +1032,8 @@ set_engine(py::object api)
 // The contract with ``autograd._native``: it loads a build whose ``CONTRACT`` is the one it expects, or none.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.attr("CONTRACT") = 5;
-    m.def("exchange_in_place", &exchange_in_place);
-    m.def("exchange", &exchange);
+    m.attr("CONTRACT") = 6;
+    m.def("exchange_by", &exchange_by);
     m.def("set_functions", &set_functions);
     m.def("set_engine", &set_engine);
     m.def("counts", &counts);
@@ -928,7 +1052,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
                               {&release_name, "release"},
                               {&halo_calls_name, "halo_calls"},
                               {&backward_hooks_name, "_backward_hooks"},
-                              {&reversed_name, "__reversed__"}}) {
+                              {&reversed_name, "__reversed__"},
+                              {&communicator_name, "communicator"},
+                              {&group_name, "group"}}) {
         *name = PyUnicode_InternFromString(text);
         if (*name == nullptr)
             throw py::error_already_set();

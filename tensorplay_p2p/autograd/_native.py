@@ -38,12 +38,12 @@ from .._src.settings import env_flag
 __all__ = ["CACHE_ENV", "CONTRACT", "build", "compile_extension", "import_build", "library", "load", "nodes", "reason"]
 
 CACHE_ENV = "TENSORPLAY_P2P_CACHE"
-CONTRACT = 5  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
+CONTRACT = 6  # what the C++ source's CONTRACT must be: the functions and arguments this side calls
 SOURCE = Path(__file__).with_name("_native.cpp")
 STEM = "tensorplay_p2p_native"  # the build's name, before its digest
 FLAGS = ("-O2",)  # without it, cpp_extension compiles with no optimization at all
 
-nodes: Any = None  # the loaded module (``exchange_in_place``, ``exchange``), or None: the Python nodes run
+nodes: Any = None  # the loaded module (``exchange_by``), or None: the Python nodes run
 reason = "not loaded yet"
 
 

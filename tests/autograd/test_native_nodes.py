@@ -588,6 +588,55 @@ def test_a_forward_runs_the_compiled_pass_with_no_python(form: str, monkeypatch:
         assert torch.equal(got, python)
 
 
+def test_a_call_s_plan_is_found_with_no_python_once_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native code keeps the plan ``plan_for`` gave an exchange, by the arguments the program gave: the next call
+    alike, in place or not, finds it with no Python lookup, ``corners`` 1 as ``True``; a halo given as a tuple is
+    looked up by ``plan_for`` at each call; another dtype gets a plan of its own; a destroyed grid's plan is dropped,
+    and the call refused as the Python path refuses it.  Every result is the Python node's, bit for bit."""
+    _built()
+    cart = dist.new_cart_group((0, 0), (True, False))
+    shape = _shape(cart, 1)
+    pairs = ((1, 1), (1, 1))
+    looked: list[tuple[Any, Any, torch.dtype]] = []
+    plan_for = _halo.plan_for
+
+    def counted(x: Any, group: Any, halo: Any, corners: bool, what: str) -> _halo.Plan:
+        looked.append((halo, corners, x.dtype))
+        return plan_for(x, group, halo, corners, what)
+
+    monkeypatch.setattr(_halo, "plan_for", counted)
+
+    def run(dtype: torch.dtype) -> list[torch.Tensor]:
+        x = _field(shape, dtype, 5)
+        results = []
+        for halo, corners in ((1, True), (1, 1), (pairs, True)):
+            results.append(ag.halo_exchange(x.clone().requires_grad_(True), cart, halo, corners).detach())
+            results.append(ag.halo_exchange_(x.clone(), cart, halo, corners).detach())
+        return results
+
+    kept = _native.nodes.counts()["plans kept"]
+    native = run(torch.float64)
+    assert looked == [(1, True, torch.float64), (pairs, True, torch.float64), (pairs, True, torch.float64)]
+    looked.clear()
+    assert [torch.equal(a, b) for a, b in zip(run(torch.float64), native, strict=True)] == [True] * 6
+    assert looked == [(pairs, True, torch.float64)] * 2
+    looked.clear()
+    native += run(torch.float32)
+    assert looked == [(1, True, torch.float32)] + [(pairs, True, torch.float32)] * 2
+    assert _native.nodes.counts()["plans kept"] == min(kept + 2, 16)
+    with _python_nodes(monkeypatch):
+        python = run(torch.float64) + run(torch.float32)
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+    kept = _native.nodes.counts()["plans kept"]
+    dist.destroy_process_group(cart)
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        ag.halo_exchange(_field(shape, torch.float64, 5), cart, 1, True)
+    assert _native.nodes.counts()["plans kept"] == kept - 1
+    with _python_nodes(monkeypatch), pytest.raises(RuntimeError, match="has been destroyed"):
+        ag.halo_exchange(_field(shape, torch.float64, 5), cart, 1, True)
+
+
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
     _built()
     cart = dist.new_cart_group((0,), True)
