@@ -637,6 +637,31 @@ def test_a_call_s_plan_is_found_with_no_python_once_kept(monkeypatch: pytest.Mon
         ag.halo_exchange(_field(shape, torch.float64, 5), cart, 1, True)
 
 
+def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native forward copies the input into a new contiguous tensor before the exchange fills it, whatever the
+    input's storage holds around it: a contiguous view at an offset into a larger tensor, a zero-size block,
+    integers (no node); the input is left as it was, and the result is the Python node's."""
+    _built()
+    cart = dist.new_cart_group((0,), True)
+    base = _field((3, 6, 2), torch.float64, 7)
+
+    def run() -> list[torch.Tensor]:
+        inputs = [
+            base[1],  # contiguous, at an offset
+            torch.zeros(4, 0, dtype=torch.float32),
+            (base[2] * 100).to(torch.int64),
+        ]
+        kept = [x.clone() for x in inputs]
+        results = [ag.halo_exchange(x, cart, 1) for x in inputs]
+        for x, was, y in zip(inputs, kept, results, strict=True):
+            assert torch.equal(x, was)
+            assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
+            assert y.numel() == 0 or y.data_ptr() != x.data_ptr()
+        return [y.detach() for y in results]
+
+    _native_then_python(run, monkeypatch)
+
+
 def test_the_version_moves_on_and_a_saved_tensor_is_caught() -> None:
     _built()
     cart = dist.new_cart_group((0,), True)
