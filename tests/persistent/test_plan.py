@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
 from arraykinds import ArrayKind
 from fakedevice import FakeAdapter, FakeDeviceArray
-from world import NEXT, PREV, RANK, WAIT, refused_on_another_thread, shared
+from mpi4py import MPI
+from world import NEXT, PREV, RANK, WAIT, in_threads, refused_on_another_thread, shared
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src.memory import devices
@@ -127,6 +130,50 @@ def test_a_second_thread_is_refused_when_the_library_is_not_thread_multiple(
         exchange.wait(timeout=WAIT)  # the step was left in flight for this thread
         assert refused_on_another_thread(exchange.close).startswith(f"{name}.close: called from a second thread")
         exchange.exchange(timeout=WAIT)  # still open
+    if cls == "plan":
+        assert into.tolist() == [float(PREV)] * 2
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in flight"])
+@pytest.mark.parametrize("cls", ["plan", "halo"])
+def test_an_exchange_released_on_a_second_thread_is_freed_by_the_first(
+    cls: str, in_flight: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below MPI_THREAD_MULTIPLE, an exchange whose last reference goes on a thread that may not call MPI (an
+    autograd worker's, the program's own) calls no MPI there: it is kept, and freed by the first thread at its next
+    step or posting call, once a step it left in flight has completed (which the freeing does not wait for)."""
+    from tensorplay_p2p._src.p2p import validate, work
+    from tensorplay_p2p._src.persistent import exchange as module
+
+    into = np.zeros(2)
+    held = [_plan_or_halo(cls, into, 73)]
+    held[0].exchange(timeout=WAIT)
+    monkeypatch.setattr(validate, "single_threaded", True)
+    monkeypatch.setattr(validate, "first_thread", threading.get_ident())
+    closed: list[int] = []
+    close = module.PersistentExchange._close
+
+    def seen(self: module.PersistentExchange) -> None:
+        if id(self) == released:
+            closed.append(threading.get_ident())
+        close(self)
+
+    monkeypatch.setattr(module.PersistentExchange, "_close", seen)
+    if in_flight:
+        held[0].start()
+    requests = list(held[0]._requests)
+    released = id(held[0])  # alive until it is freed: no other exchange has its id meanwhile
+    errors, alive = in_threads(lambda _: (held.clear(), gc.collect()), 1)
+    assert not errors and not alive and not held
+    assert closed == [] and sum(isinstance(h, module._Released) for h in work.dropped) == 1
+    MPI.COMM_WORLD.Barrier()  # every member has started its step, if any
+    with _plan_or_halo("plan", np.zeros(2), 74) as other:
+        other.exchange(timeout=WAIT)  # the first thread's next step frees it, or tests the step it left in flight
+    deadline = time.monotonic() + WAIT
+    while in_flight and any(isinstance(h, module._Released) for h in work.dropped) and time.monotonic() < deadline:
+        work.reap_dropped()  # what each posting call runs first
+    assert closed == [threading.get_ident()] and all(r == MPI.REQUEST_NULL for r in requests)
+    assert not any(isinstance(h, module._Released) for h in work.dropped)
     if cls == "plan":
         assert into.tolist() == [float(PREV)] * 2
 

@@ -38,7 +38,7 @@ from .. import errors
 from ..errors import CommunicationError, MessageSizeError
 from ..memory import buffers, devices, layouts
 from ..p2p import checked, validate
-from ..p2p.work import poll
+from ..p2p.work import dropped, poll, reap_dropped
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds
@@ -215,6 +215,8 @@ class PersistentExchange:
     def _start(self, call: str) -> None:
         if validate.single_threaded:  # read at each call, as the ops read it
             validate.check_thread(f"{self._what}.{call}")
+        if dropped:
+            reap_dropped()  # among them, exchanges released on a thread that may not call MPI (``__del__``)
         if self._closed:
             raise RuntimeError(f"{self._what}.{call}: it has been closed")
         if self._group.communicator is None:
@@ -365,6 +367,7 @@ class PersistentExchange:
             and self._group.communicator is not None
             and not watchdog.active
             and (not validate.single_threaded or validate.first_thread == _get_ident())  # the thread rule's thread
+            and not dropped  # ``start`` reaps them
         ):
             for destination, source in self._packs:
                 _copyto(destination, source)
@@ -506,8 +509,42 @@ class PersistentExchange:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._close()
+        if getattr(self, "_closed", True):
+            return
+        if validate.single_threaded and validate.first_thread not in (None, _get_ident()):
+            # released on a thread that may not call MPI (an autograd worker's, a program's own): kept, and freed by
+            # the thread that may, at its next posting call or step, or at exit (PEP 442: ``__del__`` runs once)
+            dropped.append(_Released(self))
+            return
+        self._close()
+
+
+class _Released:
+    """An exchange released on a thread that may not call MPI, in ``p2p.work.dropped``, whose reaping (on the thread
+    that may) frees it once a step it left in flight has completed."""
+
+    __slots__ = ("error", "exchange")
+
+    def __init__(self, exchange: PersistentExchange) -> None:
+        self.exchange = exchange
+        self.error: CommunicationError | None = None
+
+    def test(self) -> bool:
+        """Whether it is freed now (or failed to be: ``exception``)."""
+        exchange = self.exchange
+        try:
+            if exchange._active and not MPI.Request.Testall(exchange._requests):
+                return False
+            exchange._close()
+        except MPI.Exception as exc:
+            self.error = CommunicationError(f"{exchange._what}, released on another thread, failed to close: {exc}")
+        return True
+
+    def exception(self) -> CommunicationError | None:
+        return self.error
+
+    def pending_lines(self, now: float | None) -> list[str]:
+        return self.exchange.pending_lines(now)
 
 
 class _LeanStep:
