@@ -287,9 +287,9 @@ class Work(_WorkBase):
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes.
 
-        Without ``timeout`` it is MPI's blocking ``MPI_Wait``; with one, it tests the request with a growing pause (up
-        to 1 ms) until the deadline, which counts from the call. An operation that failed raises its error here, and
-        again on every later call.
+        Without ``timeout`` it is MPI's blocking ``MPI_Wait``; with one, it tests the request until the deadline,
+        which counts from the call (``poll``: yielding the core between tests, or on an oversubscribed node sleeping
+        a pause that grows to 1 ms). An operation that failed raises its error here, and again on every later call.
 
         Args:
             timeout: the longest wait, in seconds (``int`` or ``float``) or a ``datetime.timedelta``; ``None``: no
@@ -602,8 +602,8 @@ class BatchWork(_BatchBase, list):  # type: ignore[type-arg]
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Complete every op of the batch with one ``MPI_Waitall``.
 
-        With ``timeout``, it tests the ops with a growing pause (up to 1 ms) until the deadline, which counts from the
-        call. Failed ops raise here, and again on every later call.
+        With ``timeout``, it tests the ops until the deadline, which counts from the call, as ``Work.wait`` does.
+        Failed ops raise here, and again on every later call.
 
         Args:
             timeout: the longest wait, in seconds (``int`` or ``float``) or a ``datetime.timedelta``; ``None``: no
