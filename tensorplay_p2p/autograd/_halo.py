@@ -403,8 +403,7 @@ class Plan:
         """H in place on ``x`` as call ``call``, whose number is taken: where the native nodes claimed its slot and the
         engine then handed the pass back (a timeout set, the group destroyed, requests a closed plan freed), the
         Python pass, as ``_fill`` runs it."""
-        with torch.no_grad():
-            self.run(x, call, False)
+        self._fill(x, call, False, None)
 
     def failed(self, call: int, backward: bool, result: Any) -> None:
         """Raise the error of a pass of call ``call`` that the native nodes ran in the compiled engine with no Python
