@@ -701,18 +701,9 @@ def halo_exchange(x: Any, group: CartGroup, halo: Any = 1, corners: bool = False
     """
     if _compiling():
         return compiled(x, group, halo, corners)
-    native = _native.nodes
-    if native is not None and not _eager():
-        native = None
-    if native is not None:  # None where the native code does not serve the exchange: nothing done
-        y = native.exchange_by(x, None, group, halo, corners, False)  # the plan it kept for these arguments
-        if y is not None:
-            return y
-    plan = plan_for(x, group, halo, corners, "halo_exchange")
-    if native is not None:
-        y = native.exchange_by(x, plan, group, halo, corners, False)
-        if y is not None:
-            return y
+    y, plan = _natively(x, group, halo, corners, False)
+    if plan is None:
+        return y
     call = number(plan)
     y = apply(_Fill, x, plan, call, *_anchored(x))
     _graph.guard(y.grad_fn, x, lambda: _substitute(plan, call))
@@ -740,19 +731,26 @@ def halo_exchange_(x: Any, group: CartGroup, halo: Any = 1, corners: bool = Fals
         TypeError, ValueError: as ``halo_exchange``; RuntimeError: ``x`` is a leaf that requires a gradient; under
             ``torch.func.vmap``, ``x`` is not batched on this process while its peers' blocks are.
     """
-    native = _native.nodes
-    if native is not None and not _eager():
-        native = None
-    if native is not None:  # None where the native code does not serve the exchange: nothing done
-        done = native.exchange_by(x, None, group, halo, corners, True)  # the plan it kept for these arguments
-        if done is not None:
-            return done
-    plan = plan_for(x, group, halo, corners, "halo_exchange_")
-    if native is not None:
-        done = native.exchange_by(x, plan, group, halo, corners, True)
-        if done is not None:
-            return done
+    done, plan = _natively(x, group, halo, corners, True)
+    if plan is None:
+        return done
     return apply(_FillInPlace, x, plan, number(plan), *_anchored(x))
+
+
+def _natively(x: Any, group: CartGroup, halo: Any, corners: bool, in_place: bool) -> tuple[Any, Plan | None]:
+    """``halo_exchange`` (``halo_exchange_``: ``in_place``) run by the native nodes where they serve it now: on the
+    plan they kept for these arguments, else on ``plan_for``'s; ``(its result, None)``.  Else ``(None, the plan)``,
+    with nothing done: the Python node serves it."""
+    native = _native.nodes
+    if native is not None and _eager():
+        done = native.exchange_by(x, None, group, halo, corners, in_place)  # the plan kept for these arguments
+        if done is not None:
+            return done, None
+    else:
+        native = None
+    plan = plan_for(x, group, halo, corners, "halo_exchange_" if in_place else "halo_exchange")
+    done = None if native is None else native.exchange_by(x, plan, group, halo, corners, in_place)
+    return (done, None) if done is not None else (None, plan)
 
 
 def _eager() -> bool:
