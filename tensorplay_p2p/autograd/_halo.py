@@ -483,14 +483,15 @@ _plans: weakref.WeakKeyDictionary[CartGroup, dict[tuple[Any, ...], Plan]] = weak
 _KEEP = 64  # plans kept per group; the oldest goes first
 
 
-_recent: dict[tuple[Any, ...], Plan] = {}  # by the arguments as given (hashable ones): no parsing on the hot path
+_recent: dict[tuple[Any, ...], Plan] = {}  # by the arguments as given (an int halo): no parsing on the hot path
 
 
 def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
     """The plan for ``x``'s shape, dtype and device on ``group``, built at first use."""
-    try:  # a bool halo equals an int in the key, and is refused below
-        plan = None if halo.__class__ is bool else _recent.get((id(group), halo, corners, x.shape, x.dtype, x.device))
-    except (TypeError, AttributeError):  # a halo in a list; not a tensor (refused below)
+    recent = halo.__class__ is int  # any other halo is parsed, and checked, at each call: it may equal an int's key
+    try:
+        plan = _recent.get((id(group), halo, corners, x.shape, x.dtype, x.device)) if recent else None
+    except (TypeError, AttributeError):  # an unhashable corners; not a tensor (refused below)
         plan = None
     if plan is not None and plan.group is group and plan.side.group.communicator is not None:
         return plan
@@ -508,10 +509,11 @@ def plan_for(x: Any, group: Any, halo: Any, corners: bool, what: str) -> Plan:
         if len(plans) >= _KEEP:
             del plans[next(iter(plans))]
         plans[key] = plan
-    if len(_recent) >= _KEEP:
-        _recent.clear()
-    with contextlib.suppress(TypeError):  # a halo given in a list is found by its widths each time
-        _recent[id(group), halo, corners, x.shape, x.dtype, x.device] = plan
+    if recent:
+        if len(_recent) >= _KEEP:
+            _recent.clear()
+        with contextlib.suppress(TypeError):  # an unhashable corners: found by its truth each time
+            _recent[id(group), halo, corners, x.shape, x.dtype, x.device] = plan
     return plan
 
 
@@ -744,7 +746,9 @@ def _natively(x: Any, group: CartGroup, halo: Any, corners: bool, in_place: bool
     native = _native.nodes
     if native is not None and _eager():
         done = native.exchange_by(x, None, group, halo, corners, in_place)  # the plan kept for these arguments
-        if done is not None:
+        if done is NotImplemented:  # the native code does not serve it
+            native = None
+        elif done is not None:
             return done, None
     else:
         native = None

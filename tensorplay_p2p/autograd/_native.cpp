@@ -69,15 +69,27 @@ static const NativeApi *native_api = nullptr;
 static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0}, adjoints_without_python{0},
     forwards_without_python{0};
 
+// Whether ``x``'s bytes are its values, in its shape's order, in memory of its own: a contiguous host tensor, not a
+// zero tensor (which has no memory), a conjugate or negative view, a nested, quantized, functional or Python tensor.
+static bool
+bytes_are_values(const Tensor &x)
+{
+    const auto keys = x.key_set();
+    return x.is_cpu() && x.layout() == at::kStrided && x.is_contiguous() && !x.is_quantized() && !x.is_nested() &&
+           !x._is_zerotensor() && !x.is_conj() && !x.is_neg() && !keys.has(c10::DispatchKey::Python) &&
+           !keys.has(c10::DispatchKey::Functionalize) && x.has_storage() &&
+           (x.nbytes() == 0 || x.const_data_ptr() != nullptr);
+}
+
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
 // ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
-// A plain contiguous host tensor's bytes are copied into a new one (``clone``'s copy kernel costs several microseconds
-// more a call on a small block); any other is cloned.
+// Where its bytes are its values, they are copied into a new tensor (``clone``'s copy kernel costs several
+// microseconds more a call on a small block); any other tensor is cloned.
 static Tensor
 copy(const Tensor &x)
 {
     at::AutoDispatchBelowADInplaceOrView below; // no autograd: the node is recorded after the exchange
-    if (!x.is_cpu() || x.layout() != at::kStrided || x.is_quantized() || !x.is_contiguous())
+    if (!bytes_are_values(x))
         return x.clone(at::MemoryFormat::Contiguous);
     Tensor y = at::empty(x.sizes(), x.options()); // its bytes copied: clone's copy kernel costs more on small blocks
     if (x.nbytes() > 0)
@@ -838,17 +850,13 @@ fill_out_of_place(py::handle object, const Tensor &x, const Tensor &y, py::handl
     return y;
 }
 
-// ``halo_exchange_``'s forward where the native code serves it (``serves``): ``x`` exchanged in place (``fill``), and
-// its node recorded (``fill_in_place``), or where none is, its version moved on as the Python path moves it (on
-// integers, the ``Function``'s ``mark_dirty``, which refuses an inference tensor outside inference mode after the
-// exchange; with grad mode off, ``_function.apply``'s ``increment_version``, which skips one); else None, with nothing
-// done (the Python node serves it).
+// ``halo_exchange_``'s forward as the native code serves it (``how``, not ``python``): ``x`` exchanged in place
+// (``fill``), and its node recorded (``fill_in_place``), or where none is, its version moved on as the Python path
+// moves it (on integers, the ``Function``'s ``mark_dirty``, which refuses an inference tensor outside inference mode
+// after the exchange; with grad mode off, ``_function.apply``'s ``increment_version``, which skips one).
 static py::object
-exchange_in_place(py::handle object, py::handle plan)
+exchange_in_place(py::handle object, py::handle plan, Serve how)
 {
-    const Serve how = serves(object);
-    if (how == Serve::python)
-        return py::none();
     const Tensor &x = THPVariable_Unpack(object.ptr());
     const int64_t number = fill(plan.ptr(), x);
     if (how == Serve::node)
@@ -858,14 +866,11 @@ exchange_in_place(py::handle object, py::handle plan)
     return py::reinterpret_borrow<py::object>(object);
 }
 
-// ``halo_exchange``'s forward where the native code serves it (``serves``): a copy of ``x`` (``copy``), exchanged
-// (``fill``), with its node recorded (``fill_out_of_place``) where one is; else None, with nothing done.
+// ``halo_exchange``'s forward as the native code serves it (``how``, not ``python``): a copy of ``x`` (``copy``),
+// exchanged (``fill``), with its node recorded (``fill_out_of_place``) where one is.
 static py::object
-exchange(py::handle object, py::handle plan)
+exchange(py::handle object, py::handle plan, Serve how)
 {
-    const Serve how = serves(object);
-    if (how == Serve::python)
-        return py::none();
     const Tensor &x = THPVariable_Unpack(object.ptr());
     Tensor y = copy(x);
     const int64_t number = fill(plan.ptr(), y);
@@ -876,11 +881,10 @@ exchange(py::handle object, py::handle plan)
 // so that a call whose plan is among them finds it with no Python code run: ``plan_for``'s lookup costs a few
 // microseconds, more than this module's whole forward on a small block.  Only a ``halo`` given as an ``int`` and
 // ``corners`` as an ``int`` or ``bool`` are kept, read by value (a tuple or a list is found by ``plan_for``, as
-// before), and at most ``KNOWN`` entries, the oldest dropped first.  A plan whose group was destroyed is dropped when
-// next found
-// (``plan_for`` makes its successor).  Read and written under ``known_lock``, which is never held while Python code
-// runs: an entry leaves the list before its objects are released, since a plan's release may run Python code.  Never
-// freed: no object is released after the interpreter.
+// before), and at most ``KNOWN`` entries, the one found or kept longest ago dropped first.  A plan whose group was
+// destroyed is dropped when next found (``plan_for`` makes its successor).  Read and written under ``known_lock``,
+// which is never held while Python code runs: an entry leaves the list before its objects are released, since a
+// plan's release may run Python code.  Never freed: no object is released after the interpreter.
 struct Known {
     py::object plan, side; // ``side``: ``plan.side.group``, whose ``communicator`` is None once the group is destroyed
     PyObject *group;       // the plan's own group, which the plan holds
@@ -930,6 +934,7 @@ known_plan(const Tensor &x, PyObject *group, PyObject *halo, PyObject *corners)
             return py::none();
         plan = found->plan;
         side = found->side;
+        std::rotate(found, found + 1, known->end()); // the last found is the last dropped
     }
     if (!side.attr(communicator_name).is_none())
         return plan;
@@ -973,14 +978,16 @@ keep(py::handle plan, const Tensor &x, PyObject *group, PyObject *halo, PyObject
 }
 
 // ``halo_exchange``'s forward (``in_place`` false; ``exchange``) or ``halo_exchange_``'s (``exchange_in_place``) on
-// ``object`` where the native code serves it, from the arguments the program gave: with ``plan`` None, on the plan
-// kept for them (``known_plan``), where one is; else on ``plan`` (``plan_for``'s, kept first for the next call alike).
-// None where nothing is done: the native code does not serve it, or no plan is kept for these arguments.
+// ``object`` where the native code serves it (``serves``), from the arguments the program gave: with ``plan`` None, on
+// the plan kept for them (``known_plan``), where one is; else on ``plan`` (``plan_for``'s, kept first for the next
+// call alike).  Nothing is done where it returns NotImplemented (the Python node serves it) or, with ``plan`` None,
+// None (no plan is kept for these arguments).
 static py::object
 exchange_by(py::handle object, py::handle plan, py::handle group, py::handle halo, py::handle corners, bool in_place)
 {
-    if (!THPVariable_CheckExact(object.ptr()))
-        return py::none();
+    const Serve how = serves(object);
+    if (how == Serve::python)
+        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     const Tensor &x = THPVariable_Unpack(object.ptr());
     py::object given; // held while it runs: a release of the list's entry cannot free it
     if (plan.is_none()) {
@@ -991,7 +998,7 @@ exchange_by(py::handle object, py::handle plan, py::handle group, py::handle hal
         keep(plan, x, group.ptr(), halo.ptr(), corners.ptr());
         given = py::reinterpret_borrow<py::object>(plan);
     }
-    return in_place ? exchange_in_place(object, given) : exchange(object, given);
+    return in_place ? exchange_in_place(object, given, how) : exchange(object, given, how);
 }
 
 // What the lean adjoints did in this process: ``{"in place": n, "copied": m, "without Python": k}`` (on a gradient that

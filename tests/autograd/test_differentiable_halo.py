@@ -400,9 +400,13 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         ag.halo_exchange(torch.zeros(5), _cart((0, 0), False), 1)
     ag.halo_exchange(torch.zeros(5), cart, 1)  # the group still works: nothing was half-posted
-    for exchange in (ag.halo_exchange, ag.halo_exchange_):  # though equal to 1, and its plan found for 1
-        with pytest.raises(TypeError, match="halo must be an int, not bool"):
-            exchange(torch.zeros(5), cart, True)
+    ag.halo_exchange(torch.zeros(5), cart, (1,))
+    for exchange in (ag.halo_exchange, ag.halo_exchange_):  # though equal to 1 or (1,), whose plan is found for them
+        for halo in (True, np.True_, (True,), ((1, True),)):
+            with pytest.raises(TypeError, match="must be an int, not bool"):
+                exchange(torch.zeros(5), cart, halo)
+        with pytest.raises(TypeError, match="must be an int, not float"):
+            exchange(torch.zeros(5), cart, 1.0)
 
 
 def test_indices_cover_each_ghost_once() -> None:

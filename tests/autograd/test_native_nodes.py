@@ -640,7 +640,8 @@ def test_a_call_s_plan_is_found_with_no_python_once_kept(monkeypatch: pytest.Mon
 def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native forward copies the input into a new contiguous tensor before the exchange fills it, whatever the
     input's storage holds around it: a contiguous view at an offset into a larger tensor, a zero-size block,
-    integers (no node); the input is left as it was, and the result is the Python node's."""
+    integers (no node), a zero tensor (which has no memory); the input is left as it was, and the result is the
+    Python node's.  The backward's copy of a zero tensor's gradient (which it may not write) too."""
     _built()
     cart = dist.new_cart_group((0,), True)
     base = _field((3, 6, 2), torch.float64, 7)
@@ -650,6 +651,7 @@ def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.M
             base[1],  # contiguous, at an offset
             torch.zeros(4, 0, dtype=torch.float32),
             (base[2] * 100).to(torch.int64),
+            torch._efficientzerotensor((6, 2), dtype=torch.float64),
         ]
         kept = [x.clone() for x in inputs]
         results = [ag.halo_exchange(x, cart, 1) for x in inputs]
@@ -657,7 +659,11 @@ def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.M
             assert torch.equal(x, was)
             assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
             assert y.numel() == 0 or y.data_ptr() != x.data_ptr()
-        return [y.detach() for y in results]
+        leaf = base[0].clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(
+            ag.halo_exchange(leaf, cart, 1), leaf, torch._efficientzerotensor((6, 2)).double()
+        )
+        return [y.detach() for y in results] + [grad]
 
     _native_then_python(run, monkeypatch)
 
