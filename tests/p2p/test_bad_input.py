@@ -7,6 +7,7 @@ message, and a correct exchange afterwards proves that nothing was left posted.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -618,6 +619,42 @@ def test_dropped_failing_receive_warns_instead_of_breaking_later_calls() -> None
                 break
             exchange_and_check(tag=62, value=1.0)
     exchange_and_check(tag=61, value=13.0)
+
+
+def test_reaping_dropped_handles_keeps_what_it_has_not_finished_when_interrupted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The posting calls reap the dropped handles: one whose test raises (an interrupt) is kept, with every handle
+    after it; a finished one whose failure is warned of is gone, even where the warning is raised as an error (the
+    handles after it are kept)."""
+    from tensorplay_p2p._src.p2p import work as work_module
+
+    class Handle:
+        def __init__(self, finished: bool, error: str | None = None, interrupt: bool = False) -> None:
+            self.finished, self.error, self.interrupt = finished, error, interrupt
+
+        def test(self) -> bool:
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.finished
+
+        def exception(self) -> dist.CommunicationError | None:
+            return None if self.error is None else dist.CommunicationError(self.error)
+
+    done, alive, interrupting, after = Handle(True), Handle(False), Handle(False, interrupt=True), Handle(True)
+    monkeypatch.setattr(work_module, "dropped", [done, alive, interrupting, after])
+    with pytest.raises(KeyboardInterrupt):
+        work_module.reap_dropped()
+    assert work_module.dropped == [alive, interrupting, after]
+    failed, later = Handle(True, error="it failed"), Handle(True)
+    work_module.dropped[:] = [failed, alive, later]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match=r"dropped without wait.*it failed"):
+            work_module.reap_dropped()
+    assert work_module.dropped == [alive, later]
+    work_module.reap_dropped()
+    assert work_module.dropped == [alive]
 
 
 def test_dropped_packed_receive_is_finished_when_reaped() -> None:

@@ -125,16 +125,21 @@ def reap_dropped() -> None:
     with _dropped_lock:
         kept = dropped[:]
         del dropped[: len(kept)]  # a finalizer run meanwhile (by the copy's allocation) may have appended one
-    alive = []
-    for handle in kept:
-        if not handle.test():
-            alive.append(handle)
-        elif (error := handle.exception()) is not None:
-            warnings.warn(
-                f"an operation whose Work was dropped without wait() failed: {error}", RuntimeWarning, stacklevel=3
-            )
-    with _dropped_lock:
-        dropped.extend(alive)
+    alive: list[Any] = []
+    index = 0
+    try:
+        while index < len(kept):
+            handle = kept[index]
+            finished = handle.test()  # where it raises (an interrupt), it and the rest are kept
+            index += 1
+            if not finished:
+                alive.append(handle)
+            elif (error := handle.exception()) is not None:  # a warning raised as an error keeps the rest
+                warnings.warn(f"an operation dropped without wait() failed: {error}", RuntimeWarning, stacklevel=3)
+    finally:
+        with _dropped_lock:
+            dropped.extend(alive)
+            dropped.extend(kept[index:])
 
 
 EXIT_GRACE = 2.0  # seconds that dropped operations still pending at exit get to complete

@@ -530,15 +530,25 @@ class _Released:
         self.error: CommunicationError | None = None
 
     def test(self) -> bool:
-        """Whether it is freed now (or failed to be: ``exception``)."""
+        """Whether it is freed now, or failed to be (``exception``): a step that failed is over, and its exchange
+        freed all the same."""
         exchange = self.exchange
         try:
             if exchange._active and not MPI.Request.Testall(exchange._requests):
                 return False
-            exchange._close()
         except MPI.Exception as exc:
-            self.error = CommunicationError(f"{exchange._what}, released on another thread, failed to close: {exc}")
+            self._failed(exc)
+            exchange._active = False  # over: freed below (a request still active is freed once it completes)
+            watchdog.untrack(exchange)
+        try:
+            exchange._close()
+        except Exception as exc:  # freed as far as it went
+            self._failed(exc)
         return True
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = CommunicationError(f"{self.exchange._what}, released on another thread: {exc}")
 
     def exception(self) -> CommunicationError | None:
         return self.error
