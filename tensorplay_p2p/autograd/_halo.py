@@ -754,7 +754,7 @@ def _natively(x: Any, group: CartGroup, halo: Any, corners: bool, in_place: bool
         native = None
     plan = plan_for(x, group, halo, corners, "halo_exchange_" if in_place else "halo_exchange")
     done = None if native is None else native.exchange_by(x, plan, group, halo, corners, in_place)
-    return (done, None) if done is not None else (None, plan)
+    return (None, plan) if done is None or done is NotImplemented else (done, None)  # a profiler started meanwhile
 
 
 def _eager() -> bool:

@@ -1013,7 +1013,10 @@ counts()
     out["copied"] = adjoints_copied.load();
     out["without Python"] = adjoints_without_python.load();
     out["forward without Python"] = forwards_without_python.load();
-    out["plans kept"] = known->size();
+    {
+        const std::lock_guard<std::mutex> hold(known_lock);
+        out["plans kept"] = known->size();
+    }
     return out;
 }
 

@@ -637,6 +637,34 @@ def test_a_call_s_plan_is_found_with_no_python_once_kept(monkeypatch: pytest.Mon
         ag.halo_exchange(_field(shape, torch.float64, 5), cart, 1, True)
 
 
+def test_a_call_the_native_code_stops_serving_while_its_plan_is_looked_up_gets_the_python_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call whose plan is not kept, and which the native code no longer serves once ``plan_for`` has given it (a
+    torch profiler started meanwhile, as another thread may start one), is the Python node's: its result, on every
+    member alike."""
+    _built()
+    cart = dist.new_cart_group((0,), True)
+    x = _field((5, 2), torch.float64, 9)
+    profiler = torch.profiler.profile()
+    plan_for = _halo.plan_for
+
+    def starting(*args: Any) -> _halo.Plan:
+        plan = plan_for(*args)
+        profiler.__enter__()
+        return plan
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_halo, "plan_for", starting)
+        try:
+            y = ag.halo_exchange(x, cart, (1,))  # a tuple halo: no plan kept
+        finally:
+            profiler.__exit__(None, None, None)
+    assert isinstance(y, torch.Tensor) and y.grad_fn.name() == NAMES["out of place"][1]
+    with _python_nodes(monkeypatch):
+        assert torch.equal(y.detach(), ag.halo_exchange(x, cart, (1,)).detach())
+
+
 def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native forward copies the input into a new contiguous tensor before the exchange fills it, whatever the
     input's storage holds around it: a contiguous view at an offset into a larger tensor, a zero-size block,
