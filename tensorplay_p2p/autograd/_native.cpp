@@ -24,6 +24,8 @@
 // whatever its input requires, so every member's backward runs it, and an anchor's edge would only cost the engine one
 // more node to run.
 #include <ATen/CachedTensorUtils.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -84,12 +86,13 @@ bytes_are_values(const Tensor &x)
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
 // ``fill_out_of_place`` records it, and what a lean adjoint adds into where the gradient is not its own (``owned``).
 // Where its bytes are its values, they are copied into a new tensor (``clone``'s copy kernel costs several
-// microseconds more a call on a small block); any other tensor is cloned.
+// microseconds more a call on a small block), unless the kernel would split the copy among torch's threads (more
+// elements than its grain, and more than one thread); any other tensor is cloned.
 static Tensor
 copy(const Tensor &x)
 {
     at::AutoDispatchBelowADInplaceOrView below; // no autograd: the node is recorded after the exchange
-    if (!bytes_are_values(x))
+    if (!bytes_are_values(x) || (x.numel() > at::internal::GRAIN_SIZE && at::get_num_threads() > 1))
         return x.clone(at::MemoryFormat::Contiguous);
     Tensor y = at::empty(x.sizes(), x.options()); // its bytes copied: clone's copy kernel costs more on small blocks
     if (x.nbytes() > 0)

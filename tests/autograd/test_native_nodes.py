@@ -668,8 +668,9 @@ def test_a_call_the_native_code_stops_serving_while_its_plan_is_looked_up_gets_t
 def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native forward copies the input into a new contiguous tensor before the exchange fills it, whatever the
     input's storage holds around it: a contiguous view at an offset into a larger tensor, a zero-size block,
-    integers (no node), a zero tensor (which has no memory); the input is left as it was, and the result is the
-    Python node's.  The backward's copy of a zero tensor's gradient (which it may not write) too."""
+    integers (no node), a zero tensor (which has no memory), a block larger than torch's grain (whose copy torch's
+    threads may share); the input is left as it was, and the result is the Python node's.  The backward's copy of a
+    zero tensor's gradient (which it may not write) too."""
     _built()
     cart = dist.new_cart_group((0,), True)
     base = _field((3, 6, 2), torch.float64, 7)
@@ -680,6 +681,7 @@ def test_an_out_of_place_result_is_a_new_tensor_of_its_own(monkeypatch: pytest.M
             torch.zeros(4, 0, dtype=torch.float32),
             (base[2] * 100).to(torch.int64),
             torch._efficientzerotensor((6, 2), dtype=torch.float64),
+            _field((200, 200), torch.float64, 10),  # more elements than torch's grain: cloned by its threads
         ]
         kept = [x.clone() for x in inputs]
         results = [ag.halo_exchange(x, cart, 1) for x in inputs]
