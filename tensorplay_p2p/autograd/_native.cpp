@@ -71,16 +71,29 @@ static const NativeApi *native_api = nullptr;
 static std::atomic<int64_t> adjoints_in_place{0}, adjoints_copied{0}, adjoints_without_python{0},
     forwards_without_python{0};
 
-// Whether ``x``'s bytes are its values, in its shape's order, in memory of its own: a contiguous host tensor, not a
-// zero tensor (which has no memory), a conjugate or negative view, a nested, quantized, functional or Python tensor.
+// Whether ``x`` is a plain tensor that nothing above autograd serves: no Python key, torch.func wrapper or batch,
+// no torch.func transform active, no conjugate or negative view (the Python node serves them all).  What the forward
+// (``serves``) and a lean backward (``lean``) both ask.
+static bool
+plain(const Tensor &x)
+{
+    const auto keys = x.key_set();
+    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+    return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
+           !keys.has(c10::DispatchKey::FuncTorchBatched) &&
+           !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+           !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !x.is_conj() && !x.is_neg();
+}
+
+// Whether ``x``'s bytes are its values, in its shape's order, in memory of its own: a plain contiguous host tensor
+// (``plain``: no conjugate or negative view, no Python tensor), not a zero tensor (which has no memory), nor a nested,
+// quantized or functional one.
 static bool
 bytes_are_values(const Tensor &x)
 {
-    const auto keys = x.key_set();
-    return x.is_cpu() && x.layout() == at::kStrided && x.is_contiguous() && !x.is_quantized() && !x.is_nested() &&
-           !x._is_zerotensor() && !x.is_conj() && !x.is_neg() && !keys.has(c10::DispatchKey::Python) &&
-           !keys.has(c10::DispatchKey::Functionalize) && x.has_storage() &&
-           (x.nbytes() == 0 || x.const_data_ptr() != nullptr);
+    return plain(x) && x.is_cpu() && x.layout() == at::kStrided && x.is_contiguous() && !x.is_quantized() &&
+           !x.is_nested() && !x._is_zerotensor() && !x.key_set().has(c10::DispatchKey::Functionalize) &&
+           x.has_storage() && (x.nbytes() == 0 || x.const_data_ptr() != nullptr);
 }
 
 // A new contiguous copy of ``x`` with no history: what ``halo_exchange``'s exchange fills, before
@@ -98,20 +111,6 @@ copy(const Tensor &x)
     if (x.nbytes() > 0)
         std::memcpy(y.data_ptr(), x.const_data_ptr(), x.nbytes());
     return y;
-}
-
-// Whether ``x`` is a plain tensor that nothing above autograd serves: no Python key, torch.func wrapper or batch,
-// no torch.func transform active, no conjugate or negative view (the Python node serves them all).  What the forward
-// (``serves``) and a lean backward (``lean``) both ask.
-static bool
-plain(const Tensor &x)
-{
-    const auto keys = x.key_set();
-    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
-    return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::FuncTorchGradWrapper) &&
-           !keys.has(c10::DispatchKey::FuncTorchBatched) &&
-           !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
-           !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) && !x.is_conj() && !x.is_neg();
 }
 
 // ``step()`` (1: done, 0: not; -1 with a Python error) under ``lock`` (a ``threading.Lock``, taken as Python's ``with``
