@@ -20,7 +20,7 @@
 #   TP2P_TENSORPLAY_SIZES  world sizes for TensorPlay's own distributed API on the package (tests/tensorplaysuite;
 #                       default "1 2 3 4"; empty: none; skipped without TensorPlay)
 #   TP2P_TORCH_JOBS     empty: leave the torch programs, the torch benchmark, the frameworks' departure jobs, the
-#                       differentiable communication's jobs and the native nodes' build command (test_cli.py skips it)
+#                       differentiable communication's jobs and the native nodes' build command (runs nothing of MPI)
 #                       out of the job tests, and its examples out of the examples (default: run them; the run with
 #                       the other MPI library leaves them out)
 #   TP2P_DOC_JOBS       empty: leave the documents' Python blocks (tests/jobs/test_docs.py) out of the job tests
@@ -137,7 +137,8 @@ echo "=== job tests (each job its own mpiexec)${label:+ ($label)} ==="
 left_out=()  # the torch programs, the torch benchmark and the documents' blocks: once, on the first MPI library
 [ -z "${TP2P_TORCH_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_torch_programs.py" \
     --ignore "$root/tests/jobs/test_torchbench.py" --ignore "$root/tests/jobs/test_departures_frameworks.py" \
-    --ignore "$root/tests/jobs/test_autograd_jobs.py")
+    --ignore "$root/tests/jobs/test_autograd_jobs.py" \
+    --deselect "tests/jobs/test_cli.py::test_build_nodes_builds_once_and_says_what_runs")
 [ -z "${TP2P_DOC_JOBS-1}" ] && left_out+=(--ignore "$root/tests/jobs/test_docs.py")
 timeout -k 15 "$((limit + 300))" "$python" -m pytest -q --rootdir "$root" --junitxml "$reports/jobs$label.xml" \
     "${left_out[@]}" "$root/tests/jobs" "$@"

@@ -83,8 +83,6 @@ def test_build_nodes_builds_once_and_says_what_runs(tmp_path: Path) -> None:
     """``build-nodes`` builds the native autograd nodes once per torch (the suite's run built them already: it says
     so, quickly), and ``--check`` says what runs: native, not built (another cache folder), or pure Python."""
     pytest.importorskip("torch")
-    if os.environ.get("TP2P_TORCH_JOBS") == "":  # run_tests.sh's run with the other MPI library: nothing of MPI here
-        pytest.skip("a torch job: run once, on the first MPI library (TP2P_TORCH_JOBS is empty)")
     built = run([*CLI, "build-nodes"])
     if built.returncode != 0:
         assert os.environ.get("TP2P_EXPECT_ENGINE") != "compiled", built.stderr
