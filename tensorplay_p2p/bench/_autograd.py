@@ -13,7 +13,12 @@ of ``SIDES``, these series run interleaved in one job:
   out-of-place exchange must do at least;
 - ``backward``: ``torch.autograd.grad`` through ``halo_exchange``'s result (its adjoint), the graph kept;
 - ``backward of a clone``: the same call through a ``clone`` of the leaf (one node of torch's own, the graph kept):
-  what a backward call costs whatever its graph holds, so that ``backward`` less it is the exchange's own backward;
+  what a backward call costs whatever its graph holds, where the gradient it returns is the one it was given (a
+  clone's backward passes it through);
+- ``backward of a view``: the same call through a ``view`` of the leaf: what a backward call costs whatever its
+  graph holds where it returns a new tensor, as any node's backward does that makes a gradient of its own (a view's
+  makes one with no copy, and the exchange's makes one where the program holds its cotangent), so that ``backward``
+  less it is the exchange's own backward, copy and pass, as ``forward`` holds a copy and a pass;
 - ``step``: forward and backward of ``(halo_exchange(x) * w).sum()``;
 - ``no exchange``: the same step without the exchange, ``(x * w).sum()``: torch's own part of both steps, so that
   ``step`` and ``DistDL-style`` less it are what each exchange adds to a step;
@@ -24,6 +29,18 @@ of ``SIDES``, these series run interleaved in one job:
   as DistDL writes its halo exchange: ``.detach().numpy()``, then dimension by dimension one ``Sendrecv`` per side
   of contiguous copies (corners come from the second dimension's full rows), and the adjoint in reverse.
 
+A second table sets the exchange's backward against its forward placed alike, each a call of its own, on a graph of its
+own, where ``backward`` holds what any backward call costs and the time its ranks wait on each other there:
+
+- ``backward node``: the exchange's backward node (``HaloExchangeBackward`` where the native nodes are built) called
+  directly on the cotangent with grad mode off, then its input's guard on the gradient it returned, as the engine
+  runs both in a first-order backward: the copy of the program's cotangent, the adjoint's pass and the guard, with no
+  ``torch.autograd.grad`` around them;
+- ``forward after a view's backward`` and ``backward node after a view's backward``: ``forward`` and ``backward
+  node``, each timed alone right after a ``backward of a view`` call (untimed): placed as in a step, where the call
+  before the exchange is torch's own work, whose length differs between the ranks from one call to the next, and the
+  exchange waits for the slowest.
+
 ``memory`` runs 10,000 forward + backward steps and reports the resident set's growth between step 1,000 and the
 last, and the plan's buffer sets: both must stay flat.
 """
@@ -31,6 +48,8 @@ last, and the plan's buffer sets: both must stay flat.
 from __future__ import annotations
 
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +69,18 @@ SERIES = (
     "clone + persistent",
     "backward",
     "backward of a clone",
+    "backward of a view",
     "step",
     "DistDL-style",
     "no exchange",
     "new leaf",
 )
+ALIKE = ("forward", "backward node", "forward after a view's backward", "backward node after a view's backward")
+AFTER = {  # a series timed after each call of another, untimed: (the other, the series)
+    "forward after a view's backward": ("backward of a view", "forward"),
+    "backward node after a view's backward": ("backward of a view", "backward node"),
+}
+TIMED = (*SERIES, *(name for name in ALIKE if name not in SERIES))
 COUNTS = {16: (2000, 100), 128: (1000, 50), 1024: (100, 10)}  # (iterations, warm-up) at scale 1
 MEMORY_STEPS = 10_000
 
@@ -130,7 +156,16 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     cotangent = torch.ones_like(kept)
     unguarded = x.clone().requires_grad_(True)  # a leaf of its own: ``leaf`` carries ``kept``'s guard
     copied = unguarded.clone()
+    viewed = x.clone().requires_grad_(True)
+    view = viewed.view(viewed.shape)  # its backward makes a new tensor, a view of the gradient
     numpy_halo = _distdl_function(torch, np, cart.comm)
+    guarded = x.clone().requires_grad_(True)
+    node = ag.halo_exchange(guarded, cart, 1, corners=True).grad_fn  # a graph of its own
+    call = node if callable(node) else node.apply  # the native node, or the Python Function's
+    hooks = guarded._backward_hooks
+    if hooks is None or len(hooks) != 1:
+        raise AssertionError("the exchange's input does not hold its guard alone")
+    (guard,) = hooks.values()  # the exchange's guard on its input
 
     reference = numpy_halo.apply(x)
     if not torch.equal(reference, ag.halo_exchange(x, cart, 1, corners=True).detach()):
@@ -152,6 +187,14 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     def backward_of_a_clone() -> None:
         torch.autograd.grad(copied, unguarded, cotangent, retain_graph=True)
 
+    def backward_of_a_view() -> None:
+        torch.autograd.grad(view, viewed, cotangent, retain_graph=True)
+
+    def backward_node() -> None:
+        with torch.no_grad():
+            grad = call(cotangent)
+        guard(grad if isinstance(grad, torch.Tensor) else grad[0])  # it lets the gradient through: the node ran
+
     def step() -> None:
         (ag.halo_exchange(leaf, cart, 1, corners=True) * w).sum().backward()
 
@@ -171,11 +214,35 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
         "clone + persistent": clone_and_exchange,
         "backward": backward,
         "backward of a clone": backward_of_a_clone,
+        "backward of a view": backward_of_a_view,
+        "backward node": backward_node,
         "step": step,
         "DistDL-style": distdl,
         "no exchange": bare,
         "new leaf": new_leaf,
     }, plan.close
+
+
+def _timed_after(before: Callable[[], object], body: Callable[[], object]) -> Callable[[int], float]:
+    """n iterations of ``before`` then ``body``: the seconds ``body`` took."""
+
+    def iterate(n: int) -> float:
+        took = 0.0
+        for _ in range(n):
+            before()
+            start = time.perf_counter()
+            body()
+            took += time.perf_counter() - start
+        return took
+
+    return iterate
+
+
+def _loop(bodies: dict[str, Any], name: str) -> Loop:
+    if name in AFTER:
+        before, body = AFTER[name]
+        return Loop(_timed_after(bodies[before], bodies[body]))
+    return Loop(timed(repeated(bodies[name])))
 
 
 def measure_autograd(reps: int, scale: float, sides: tuple[int, ...] = SIDES) -> list[Exchange]:
@@ -187,14 +254,14 @@ def measure_autograd(reps: int, scale: float, sides: tuple[int, ...] = SIDES) ->
     for side in sides:
         bodies, close = _series(side)
         try:
-            loops = [(name, Loop(timed(repeated(bodies[name])))) for name in SERIES]
+            loops = [(name, _loop(bodies, name)) for name in TIMED]
             iterations, warmup = COUNTS.get(side, COUNTS[SIDES[-1]])
             counts = max(reps, round(iterations * scale)), max(1, round(warmup * scale))
-            median = slowest_medians(time_interleaved(loops, *counts, reps), SERIES)
+            median = slowest_medians(time_interleaved(loops, *counts, reps), TIMED)
         finally:
             close()
         if median is not None:
-            results.append(Exchange(side, COMM.Get_size(), {name: median[name] * 1e6 for name in SERIES}))
+            results.append(Exchange(side, COMM.Get_size(), {name: median[name] * 1e6 for name in TIMED}))
     return results
 
 
@@ -244,7 +311,8 @@ def _less_over(t: dict[str, float], series: str, less: str, over: str) -> str:
 
 
 def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] | None, markdown: bool = False) -> str:
-    """The table: each series' time, and the ratios the targets are about."""
+    """The tables: each series' time and the ratios the targets are about, the memory line, then the backward and
+    forward placed alike."""
     header = [
         "block",
         "ranks",
@@ -255,6 +323,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
         "(forward - new leaf) / (clone + persistent)",
         "backward / forward",
         "(backward - backward of a clone) / forward",
+        "(backward - backward of a view) / forward",
         "step / DistDL-style",
         "exchange's part of the step / DistDL-style's",
     ]
@@ -272,6 +341,7 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
                 _less_over(t, "forward", "new leaf", "clone + persistent"),
                 f"{t['backward'] / t['forward']:.3g}",
                 _less_over(t, "backward", "backward of a clone", "forward"),
+                _less_over(t, "backward", "backward of a view", "forward"),
                 f"{t['step'] / t['DistDL-style']:.3g}",
                 _share(t),
             ]
@@ -282,6 +352,19 @@ def format_autograd(results: list[Exchange], memory: tuple[int, int, int, int] |
         steps, grown, before, after = memory
         table += (
             f"\nmemory over {steps} forward + backward steps: resident set grew {grown} KiB from step {steps // 10} "
-            f"to the last (the largest rank); the plan's message sets: {before}, then {after}\n"
+            f"to the last (the largest rank); the plan's message sets: {before}, then {after}"
         )
+    alike = [
+        [
+            f"{r.side}x{r.side}",
+            str(r.ranks),
+            *(format_figure(r.us[name]) for name in ALIKE),
+            f"{r.us['backward node'] / r.us['forward']:.3g}",
+            f"{r.us[ALIKE[3]] / r.us[ALIKE[2]]:.3g}",
+        ]
+        for r in results
+    ]
+    title = "the exchange's backward and forward placed alike (us per call)"
+    ratios = ["backward node / forward", "after a view's backward: backward node / forward"]
+    table += "\n\n" + format_rows(title, ["block", "ranks", *ALIKE, *ratios], alike, markdown)
     return table

@@ -204,26 +204,36 @@ def _printed_quotient(printed: str, numerator: tuple[float, float], denominator:
 
 
 def test_autograd_table_prints_every_series_and_its_ratios() -> None:
-    """``--autograd`` (tiny): the differentiable halo exchange's table, each ratio the quotient of its series, and
-    the memory line."""
+    """``--autograd`` (tiny): the differentiable halo exchange's table, each ratio the quotient of its series, the
+    memory line, and the table of its backward and forward placed alike."""
     pytest.importorskip("torch")
     done = torchbench("--autograd", "--scale", "0.01", "--reps", "2")
     lines = done.stdout.splitlines()
     assert lines[0].startswith("## differentiable halo exchange"), done.stdout
-    rows = [line.split() for line in lines[2:] if line.split() and "x" in line.split()[0]]
+    second = next(i for i, line in enumerate(lines) if line.startswith("## the exchange's backward and forward"))
+    rows = [line.split() for line in lines[2:second] if line.split() and "x" in line.split()[0]]
     assert [r[0] for r in rows] == ["16x16", "128x128", "1024x1024"], done.stdout
     for row in rows:
-        values = [float(v) for v in row[1:12]]
-        ranks, forward, in_place, persistent, floor, backward, _, step, distdl, _, _ = values
+        values = [float(v) for v in row[1:13]]
+        ranks, forward, in_place, persistent, floor, backward, _, _, step, distdl, _, _ = values
         assert ranks == 2 and min(values[1:]) > 0
-        ratios = [float(v) for v in (*row[12:15], row[16], row[18])]
+        ratios = [float(v) for v in (*row[13:16], row[17], row[20])]
         expected = [forward / persistent, in_place / persistent, forward / floor, backward / forward, step / distdl]
         assert all(math.isclose(a, b, rel_tol=0.02) for a, b in zip(ratios, expected, strict=True)), row
-        assert _printed_quotient(row[15], _between(row[2], row[11]), _between(row[5])), row  # forward less its leaf
-        assert _printed_quotient(row[17], _between(row[6], row[7]), _between(row[2])), row
-        assert _printed_quotient(row[19], _between(row[8], row[10]), _between(row[9], row[10])), row
-        assert len(row) == 20, row
-    assert any(line.startswith("memory over 100 forward + backward steps") for line in lines), done.stdout
+        assert _printed_quotient(row[16], _between(row[2], row[12]), _between(row[5])), row  # forward less its leaf
+        assert _printed_quotient(row[18], _between(row[6], row[7]), _between(row[2])), row  # less a clone's
+        assert _printed_quotient(row[19], _between(row[6], row[8]), _between(row[2])), row  # less a view's
+        assert _printed_quotient(row[21], _between(row[9], row[11]), _between(row[10], row[11])), row
+        assert len(row) == 22, row
+    assert any(line.startswith("memory over 100 forward + backward steps") for line in lines[:second]), done.stdout
+    alike = [line.split() for line in lines[second + 2 :] if line.split()]
+    assert [r[0] for r in alike] == ["16x16", "128x128", "1024x1024"], done.stdout
+    for row, main in zip(alike, rows, strict=True):
+        assert len(row) == 8 and row[1] == "2" and row[2] == main[2], (row, main)  # the same forward
+        forward, node, forward_after, node_after = (float(v) for v in row[2:6])
+        assert min(forward, node, forward_after, node_after) > 0, row
+        assert math.isclose(float(row[6]), node / forward, rel_tol=0.02), row
+        assert math.isclose(float(row[7]), node_after / forward_after, rel_tol=0.02), row
 
 
 def test_nodes_table_times_each_way_of_making_a_node() -> None:
