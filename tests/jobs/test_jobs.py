@@ -93,6 +93,49 @@ def test_the_watchdog_from_the_environment_and_a_stuck_halo(tmp_path: Path) -> N
     assert "tensor 0 direction" in output
 
 
+def test_what_is_dropped_under_the_watchdog_is_finished_and_not_watched(tmp_path: Path) -> None:
+    """A send, a collective's handle and a persistent exchange with its step in flight, each dropped under the
+    watchdog (``TENSORPLAY_P2P_TIMEOUT``): each is finished as without it (the strided result copied back at a later
+    post, the exchange freed), and the watchdog, which held them, no longer aborts the job for them while the
+    program computes longer than its limit."""
+    status, seconds, output = run_job(
+        tmp_path,
+        2,
+        """
+        import sys, time
+        import numpy as np
+        import tensorplay_p2p as dist
+        from tensorplay_p2p._src.p2p import work
+        from tensorplay_p2p._src.process import watchdog
+        assert watchdog.active
+        rank, size = dist.get_rank(), dist.get_world_size()
+        got = np.zeros(4)
+        if rank == 0:
+            dist.isend(np.full(4, 7.0), dst=1, tag=3)  # its Work dropped
+        else:
+            dist.recv(got, src=0, tag=3)
+        out = np.full((size, 2, 4), 99.0, dtype=np.float32)
+        mine = np.full((2, 2), rank + 1.0, dtype=np.float32)
+        dist.all_gather_into_tensor(out[:, :, ::2], mine, async_op=True)  # its handle dropped
+        halo = dist.HaloExchange(np.zeros(8), dist.new_cart_group([size], periods=True))
+        halo.start()
+        del halo  # with its step in flight
+        time.sleep(3)  # computing, longer than the watchdog's limit, with nothing posted
+        dist.barrier()
+        while work.dropped:  # what each post does first
+            work.reap_dropped()
+        assert (out[:, :, ::2] == np.arange(1.0, size + 1.0).reshape(size, 1, 1)).all(), out
+        assert (out[:, :, 1::2] == 99.0).all(), out
+        assert rank == 0 or (got == 7.0).all(), got
+        sys.stdout.write(f"ok {rank}\\n")
+        sys.stdout.flush()
+        """,
+        env={"TENSORPLAY_P2P_TIMEOUT": "1"},
+    )
+    assert status == 0 and "watchdog" not in output, output
+    assert output.count("ok ") == 2 and seconds < 30, output
+
+
 def test_no_watchdog_no_cost_and_a_clean_exit(tmp_path: Path) -> None:
     status, _, output = run_job(
         tmp_path,

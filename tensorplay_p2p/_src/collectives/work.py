@@ -8,8 +8,8 @@ A handle owns its state, as ``work.Work`` does:
   float16 or bfloat16, copies back into strided or device tensors);
 - and it gives the pooled buffers back.
 
-A pending handle is tracked by the watchdog, named by a signal's report, and if dropped kept in ``work.dropped``
-with its buffers until MPI is done with them.
+A pending handle is tracked by the watchdog (which holds it weakly), named by a signal's report, and if dropped kept
+in ``work.dropped`` with its buffers until MPI is done with them, no longer watched (as a dropped ``Work``).
 
 In checked mode the members first compare their records of the call (``checks.agree``), at the call: a
 handle that exists has been posted.
@@ -178,6 +178,8 @@ class CollectiveWork:
     def __del__(self) -> None:
         if getattr(self, "_state", _FAILED) == _PENDING:  # a handle made by ``__new__`` alone has no state
             work.dropped.append(self)  # kept alive until MPI is done with its buffers
+            if watchdog.active:  # and watched no more: a later post finishes it, and exit names it if still pending
+                watchdog.untrack(self)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the collective completes, then run its post-steps.

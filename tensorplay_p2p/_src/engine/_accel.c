@@ -58,7 +58,7 @@ static PyObject *lean_isend_obj, *lean_irecv_obj; /* this module's isend / irecv
 static long tag_ub = 0;
 static int world_size = 0, world_rank = -1;
 
-static PyObject *s_checked, *s_active, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
+static PyObject *s_checked, *s_active, *s_untrack, *s_single_threaded, *s_communicator, *s_global_of, *s_group_of;
 static PyObject *s_profiler_module, *s_profiler_flag, *s_pack_max, *s_timeout;
 static PyObject *s_fail, *s_complete, *s_finish;
 static PyObject *s_wait, *s_source_rank, *s_withdraw, *s_batch_what, *s_isend_what, *s_irecv_what, *s_send_what,
@@ -958,7 +958,27 @@ state_is(PyObject *value, long which)
     return value != NULL && PyLong_CheckExact(value) && PyLong_AsLong(value) == which;
 }
 
-/* A pending Work dropped without wait() is kept (with its buffer) until MPI is done with it. */
+/* A handle dropped while pending is watched no more (``watchdog.untrack``, where the watchdog is on), as the Python
+ * handles' ``__del__`` leave theirs: it is finished at a later post, and named at exit if still pending then.  0, or
+ * -1 with an error. */
+static int
+unwatch(PyObject *handle)
+{
+    PyObject *on = PyDict_GetItemWithError(watchdog_dict, s_active);
+    if (on != Py_True)
+        return on == NULL && PyErr_Occurred() ? -1 : 0;
+    PyObject *untrack = PyDict_GetItemWithError(watchdog_dict, s_untrack);
+    if (untrack == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "process.watchdog has no untrack");
+        return -1;
+    }
+    PyObject *done = PyObject_CallOneArg(untrack, handle);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* A pending Work dropped without wait() is kept (with its buffer) until MPI is done with it, unwatched. */
 static void
 work_finalize(WorkObject *self)
 {
@@ -974,7 +994,7 @@ work_finalize(WorkObject *self)
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (PyList_Append(dropped, (PyObject *)self) < 0)
+    if (PyList_Append(dropped, (PyObject *)self) < 0 || unwatch((PyObject *)self) < 0)
         PyErr_WriteUnraisable((PyObject *)self);
     PyErr_Restore(type, value, tb);
 }
@@ -3812,6 +3832,7 @@ typedef struct {
 static Name names[] = {
     {&s_checked, "checked", "settings.state"},
     {&s_active, "active", "process.watchdog"},
+    {&s_untrack, "untrack", "process.watchdog"},
     {&s_single_threaded, "single_threaded", "p2p.validate"},
     {&s_communicator, "communicator", "ProcessGroup"},
     {&s_global_of, "global_of", "ProcessGroup"},

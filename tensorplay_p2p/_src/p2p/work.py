@@ -238,7 +238,8 @@ class Work(_WorkBase):
     is there.
     """
 
-    __slots__ = () if _WorkBase is not _Fields else _WORK_FIELDS
+    # ``__weakref__``: the watchdog holds what it watches weakly
+    __slots__ = ("__weakref__",) if _WorkBase is not _Fields else (*_WORK_FIELDS, "__weakref__")
 
     def __init__(
         self,
@@ -288,6 +289,8 @@ class Work(_WorkBase):
     def __del__(self) -> None:
         if self._state == _PENDING and self._request:
             dropped.append(self)  # kept alive until MPI is done with it (PEP 442: __del__ runs once)
+            if watchdog.active:  # and watched no more: a later post finishes it, and exit names it if still pending
+                watchdog.untrack(self)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes.

@@ -515,6 +515,8 @@ class PersistentExchange:
             # released on a thread that may not call MPI (an autograd worker's, a program's own): kept, and freed by
             # the thread that may, at its next posting call or step, or at exit (PEP 442: ``__del__`` runs once)
             dropped.append(_Released(self))
+            if watchdog.active:  # watched no more, as a dropped handle: exit names a step still in flight
+                watchdog.untrack(self)
             return
         self._close()
 

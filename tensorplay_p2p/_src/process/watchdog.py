@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import weakref
 from typing import Protocol
 
 from mpi4py import MPI
@@ -43,7 +44,10 @@ class _Watchdog:
     def __init__(self) -> None:
         self.timeout: float | None = None
         self.limit = ""  # the limit as the report names it
-        self.pending: dict[int, Watched] = {}
+        # held weakly: a handle the program drops goes to ``p2p.work.dropped``, which holds it and where a later post
+        # finishes it (its copies back included), and its ``__del__`` ends its watch; held here, it was never dropped,
+        # and stayed pending until the limit aborted the job
+        self.pending: weakref.WeakValueDictionary[int, Watched] = weakref.WeakValueDictionary()
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
 
@@ -56,7 +60,8 @@ class _Watchdog:
                 continue
             time.sleep(min(max(timeout / 4, 0.05), 1.0))
             now = time.monotonic()
-            late = [w for w in list(self.pending.values()) if now - w.posted > timeout]
+            watched = [ref() for ref in self.pending.valuerefs()]  # listed at once: the program may track meanwhile
+            late = [w for w in watched if w is not None and now - w.posted > timeout]
             if late:
                 self.abort(late, now)
 
@@ -101,7 +106,7 @@ def running() -> bool:
 
 
 def track(item: Watched) -> None:
-    """Watch ``item`` until ``untrack``."""
+    """Watch ``item`` until ``untrack``, or until it is freed: the watchdog does not keep it alive."""
     _dog.pending[id(item)] = item
 
 
