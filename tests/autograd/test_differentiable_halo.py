@@ -512,6 +512,7 @@ def test_the_compiled_and_the_python_pass_agree(
         handed = after[1] - before[1]
         return results, after[0] - before[0] - handed, handed
 
+    unhindered = settings.state.timeout is None  # a timeout keeps the passes from the engine
     compiled, taken, handed = each_form()
     monkeypatch.setattr(settings.state, "timeout", 600.0)
     timed, taken_timed, _ = each_form()
@@ -522,7 +523,7 @@ def test_the_compiled_and_the_python_pass_agree(
         assert torch.equal(got, want) and torch.equal(also, want)
     passes = sum(forms.values())
     made = engine.accel is not None and not settings.state.checked  # the compiled passes (none in checked mode)
-    handed_over = passes if made and settings.state.timeout is None else 0  # a timeout keeps them from the engine
+    handed_over = passes if made and unhindered else 0
     runs = engine_runs_passes()
     assert (taken, taken_timed, handed) == (handed_over if runs else 0, 0, 0 if runs else handed_over)
     assert (taken_profiled, handed_profiled) == (0, passes if made else 0)

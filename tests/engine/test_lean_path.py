@@ -211,6 +211,23 @@ def test_the_works_of_a_batch_outlive_it() -> None:
         np.testing.assert_array_equal(into[step], np.full(2, float(PREV + step)))
 
 
+def test_a_weak_reference_to_a_batch_s_work_never_finds_another_op_s() -> None:
+    """A work of a completed batch is weakly referenced (as the watchdog holds what it watches), and the batch is
+    dropped: the work goes with it instead of being kept for a later batch's op, which the reference would then find."""
+    first = np.zeros(2)
+    batch = dist.batch_isend_irecv([dist.P2POp(dist.irecv, first, RANK, tag=75)])
+    _send_to_self(1.0, 2, tag=75)
+    assert batch.wait()
+    seen = weakref.ref(batch[0])
+    del batch
+    later = dist.batch_isend_irecv([dist.P2POp(dist.irecv, np.zeros(2), RANK, tag=76 + i) for i in range(4)])
+    _send_to_self(2.0, 2, tag=76, count=4)
+    assert later.wait()
+    work = seen()
+    assert work is None or "tag 75" in repr(work), repr(work)  # gone, or still the first batch's op
+    del later
+
+
 def test_a_pending_batch_is_described_without_taking_it_over() -> None:
     """A signal's report describes a batch another thread waits on in C: its ops are read as they are."""
     into = np.zeros(2)

@@ -94,10 +94,10 @@ def test_the_watchdog_from_the_environment_and_a_stuck_halo(tmp_path: Path) -> N
 
 
 def test_what_is_dropped_under_the_watchdog_is_finished_and_not_watched(tmp_path: Path) -> None:
-    """A send, a collective's handle and a persistent exchange with its step in flight, each dropped under the
-    watchdog (``TENSORPLAY_P2P_TIMEOUT``): each is finished as without it (the strided result copied back at a later
-    post, the exchange freed), and the watchdog, which held them, no longer aborts the job for them while the
-    program computes longer than its limit."""
+    """A send and a collective's handle, held across the watchdog's looks and then dropped, and a persistent exchange
+    dropped with its step in flight, under the watchdog (``TENSORPLAY_P2P_TIMEOUT``): each is finished as without it
+    (the strided result copied back at a later post, the exchange freed), and the watchdog, which held them, no longer
+    aborts the job for them while the program computes longer than its limit."""
     status, seconds, output = run_job(
         tmp_path,
         2,
@@ -111,12 +111,14 @@ def test_what_is_dropped_under_the_watchdog_is_finished_and_not_watched(tmp_path
         rank, size = dist.get_rank(), dist.get_world_size()
         got = np.zeros(4)
         if rank == 0:
-            dist.isend(np.full(4, 7.0), dst=1, tag=3)  # its Work dropped
+            held = dist.isend(np.full(4, 7.0), dst=1, tag=3)
         else:
-            dist.recv(got, src=0, tag=3)
+            held = dist.recv(got, src=0, tag=3)
         out = np.full((size, 2, 4), 99.0, dtype=np.float32)
         mine = np.full((2, 2), rank + 1.0, dtype=np.float32)
-        dist.all_gather_into_tensor(out[:, :, ::2], mine, async_op=True)  # its handle dropped
+        handle = dist.all_gather_into_tensor(out[:, :, ::2], mine, async_op=True)
+        time.sleep(0.6)  # held across the watchdog's looks (4 a limit), within its limit
+        del held, handle  # dropped
         halo = dist.HaloExchange(np.zeros(8), dist.new_cart_group([size], periods=True))
         halo.start()
         del halo  # with its step in flight
@@ -134,6 +136,32 @@ def test_what_is_dropped_under_the_watchdog_is_finished_and_not_watched(tmp_path
     )
     assert status == 0 and "watchdog" not in output, output
     assert output.count("ok ") == 2 and seconds < 30, output
+
+
+def test_a_stuck_step_the_garbage_collector_frees_is_still_watched(tmp_path: Path) -> None:
+    """A persistent exchange in a reference cycle, dropped with a step its peer never joins: the cyclic garbage
+    collector clears the watchdog's weak reference, then its release waits for the step, and the watchdog still
+    reports it and aborts the job at its limit."""
+    status, seconds, output = run_job(
+        tmp_path,
+        2,
+        """
+        import gc, time
+        import numpy as np
+        import tensorplay_p2p as dist
+        halo = dist.HaloExchange(np.zeros(8), dist.new_cart_group([2], periods=True))
+        if dist.get_rank() == 0:
+            halo.start()
+            halo.cycle = halo
+            del halo
+            gc.collect()  # its release waits for the step: rank 1 never takes part
+        else:
+            time.sleep(60)
+        """,
+        env={"TENSORPLAY_P2P_TIMEOUT": "1"},
+    )
+    assert status != 0 and seconds < 12, output
+    assert "tensorplay_p2p watchdog: rank 0" in output and "HaloExchange: isend to rank 1" in output, output
 
 
 def test_no_watchdog_no_cost_and_a_clean_exit(tmp_path: Path) -> None:

@@ -1306,6 +1306,17 @@ batch_references(BatchObject *self, Py_ssize_t i)
     return count;
 }
 
+/* Whether ``o`` may have weak references (a Work has its Python class's ``__weakref__`` slot, for the watchdog): a
+ * shell that may is never reused, since a weak reference to it would then find another op's Work. */
+static int
+weakly_referenced(PyObject *o)
+{
+    Py_ssize_t offset = Py_TYPE(o)->tp_weaklistoffset;
+    if (offset <= 0) /* none, or kept where this cannot look (a managed weak list): taken as there */
+        return offset != 0;
+    return *(PyObject **)((char *)o + offset) != NULL;
+}
+
 /* Shells no one else holds, kept for the next batches instead of being freed and made again. */
 #define SHELLS 64
 static WorkObject *shells[SHELLS];
@@ -1349,7 +1360,8 @@ batch_release_works(BatchObject *self)
         if (w == NULL)
             continue;
         if (self->lean && !shared && w->owner == self && spare_shells < SHELLS &&
-            Py_TYPE(w) == (PyTypeObject *)Work_type && !PyObject_GC_IsFinalized((PyObject *)w)) {
+            Py_TYPE(w) == (PyTypeObject *)Work_type && !PyObject_GC_IsFinalized((PyObject *)w) &&
+            !weakly_referenced((PyObject *)w)) {
             if (PyObject_GC_IsTracked((PyObject *)w))
                 PyObject_GC_UnTrack(w);
             shells[spare_shells++] = w; /* this reference moves there; the list's go with the list */

@@ -485,6 +485,8 @@ class PersistentExchange:
         if MPI.Is_finalized():
             return
         if self._active:
+            if watchdog.active:  # watched while it waits here, whatever freed it: the cyclic garbage collector clears
+                watchdog.track(self)  # the watchdog's weak reference before this runs
             MPI.Request.Waitall(self._requests)
             self._active = False
             watchdog.untrack(self)

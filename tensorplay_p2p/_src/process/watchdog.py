@@ -44,10 +44,12 @@ class _Watchdog:
     def __init__(self) -> None:
         self.timeout: float | None = None
         self.limit = ""  # the limit as the report names it
-        # held weakly: a handle the program drops goes to ``p2p.work.dropped``, which holds it and where a later post
-        # finishes it (its copies back included), and its ``__del__`` ends its watch; held here, it was never dropped,
-        # and stayed pending until the limit aborted the job
-        self.pending: weakref.WeakValueDictionary[int, Watched] = weakref.WeakValueDictionary()
+        # what it watches, by id: a weak reference and when it was posted.  Weak: a handle the program drops goes to
+        # ``p2p.work.dropped``, which holds it and where a later post finishes it (its copies back included), and its
+        # ``__del__`` ends its watch; held here, it was never dropped, and stayed pending until the limit aborted the
+        # job.  With the time beside it, this thread takes a strong reference only to what is late, as it aborts: it
+        # never holds a handle across its sleep, nor frees one (a finalizer of the program's on this thread).
+        self.pending: dict[int, tuple[weakref.ref[Watched], float]] = {}
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
 
@@ -60,10 +62,14 @@ class _Watchdog:
                 continue
             time.sleep(min(max(timeout / 4, 0.05), 1.0))
             now = time.monotonic()
-            watched = [ref() for ref in self.pending.valuerefs()]  # listed at once: the program may track meanwhile
-            late = [w for w in watched if w is not None and now - w.posted > timeout]
+            late = self.late(now, timeout)
             if late:
                 self.abort(late, now)
+
+    def late(self, now: float, timeout: float) -> list[Watched]:
+        """What has been pending longer than ``timeout`` and is alive."""
+        watched = list(self.pending.values())  # listed at once: the program may track meanwhile
+        return [item for ref, posted in watched if now - posted > timeout and (item := ref()) is not None]
 
     def abort(self, late: list[Watched], now: float) -> None:
         lines = [line for w in late for line in w.pending_lines(now)]
@@ -106,8 +112,14 @@ def running() -> bool:
 
 
 def track(item: Watched) -> None:
-    """Watch ``item`` until ``untrack``, or until it is freed: the watchdog does not keep it alive."""
-    _dog.pending[id(item)] = item
+    """Watch ``item``, posted at ``item.posted``, until ``untrack``, or until it is freed: the watchdog does not keep it
+    alive.  Tracking it again (a persistent plan's next step) restarts its watch."""
+    key = id(item)
+
+    def freed(_: weakref.ref[Watched]) -> None:
+        _dog.pending.pop(key, None)
+
+    _dog.pending[key] = (weakref.ref(item, freed), item.posted)
 
 
 def untrack(item: Watched) -> None:
