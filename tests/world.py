@@ -203,8 +203,8 @@ def strided_round_trip(
     return problems
 
 
-def engine_runs_passes() -> bool:
-    """Whether the compiled engine runs a pass it is handed now, as its gate judges in this process outside a torch
-    profiler: an engine, and no checked mode, no watchdog (``TENSORPLAY_P2P_TIMEOUT``), no thread level below
-    ``MPI_THREAD_MULTIPLE``.  A pass it does not run, it hands back to the Python pass."""
+def compiled_path_open() -> bool:
+    """Whether the compiled engine runs the calls and passes it is handed now, as its gate judges in this process
+    outside a torch profiler: an engine, and no checked mode, no watchdog (``TENSORPLAY_P2P_TIMEOUT``), no thread level
+    below ``MPI_THREAD_MULTIPLE``.  What it does not run, it hands to the Python code."""
     return engine.accel is not None and not (settings.state.checked or validate.single_threaded or watchdog.active)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mpi4py import MPI
-from world import RANK, SIZE, engine_runs_passes, in_threads, refused_on_another_thread
+from world import RANK, SIZE, compiled_path_open, in_threads, refused_on_another_thread
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src import engine, settings
@@ -524,7 +524,7 @@ def test_the_compiled_and_the_python_pass_agree(
     passes = sum(forms.values())
     made = engine.accel is not None and not settings.state.checked  # the compiled passes (none in checked mode)
     handed_over = passes if made and unhindered else 0
-    runs = engine_runs_passes()
+    runs = compiled_path_open()
     assert (taken, taken_timed, handed) == (handed_over if runs else 0, 0, 0 if runs else handed_over)
     assert (taken_profiled, handed_profiled) == (0, passes if made else 0)
 
@@ -600,7 +600,7 @@ def test_the_compiled_pass_refuses_a_backward_that_would_not_add() -> None:
         with pytest.raises(ValueError, match="a backward pass adds"):
             engine.accel.HaloPass(adjoint=adjoint, add=add, **common)
     done = engine.accel.HaloPass(adjoint=True, add="d", **common).run(0)  # nothing to do: done, or handed back
-    assert done is (None if engine_runs_passes() else NotImplemented)
+    assert done is (None if compiled_path_open() else NotImplemented)
 
 
 def test_threads_that_each_exchange_on_a_group_of_their_own() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy
 import pytest
-from world import RANK, SIZE, engine_runs_passes
+from world import RANK, SIZE, compiled_path_open
 
 import tensorplay_p2p as dist
 from tensorplay_p2p._src import engine, settings
@@ -447,7 +447,7 @@ def test_a_first_order_backward_runs_the_compiled_pass_with_no_python(
 def _lean() -> bool:
     """Whether the native nodes run a whole pass through the compiled engine now: it runs what it is handed, and no
     timeout keeps a pass from it (``halo_may_run``)."""
-    return engine_runs_passes() and settings.state.timeout is None
+    return compiled_path_open() and settings.state.timeout is None
 
 
 @pytest.mark.mpi(min_size=2)
