@@ -203,8 +203,14 @@ def strided_round_trip(
     return problems
 
 
+def handed_to_python() -> bool:
+    """Whether the watchdog (``TENSORPLAY_P2P_TIMEOUT``) or a thread level below ``MPI_THREAD_MULTIPLE`` has the
+    compiled engine hand every call and pass to the Python code now (as checked mode does)."""
+    return watchdog.active or validate.single_threaded
+
+
 def compiled_path_open() -> bool:
     """Whether the compiled engine runs the calls and passes it is handed now, as its gate judges in this process
-    outside a torch profiler: an engine, and no checked mode, no watchdog (``TENSORPLAY_P2P_TIMEOUT``), no thread level
-    below ``MPI_THREAD_MULTIPLE``.  What it does not run, it hands to the Python code."""
-    return engine.accel is not None and not (settings.state.checked or validate.single_threaded or watchdog.active)
+    outside a torch profiler: an engine, and no checked mode, nor ``handed_to_python``.  What it does not run, it hands
+    to the Python code."""
+    return engine.accel is not None and not (settings.state.checked or handed_to_python())

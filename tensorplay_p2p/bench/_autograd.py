@@ -37,9 +37,9 @@ own, where ``backward`` holds what any backward call costs and the time its rank
   runs both in a first-order backward: the copy of the program's cotangent, the adjoint's pass and the guard, with no
   ``torch.autograd.grad`` around them;
 - ``forward after a view's backward`` and ``backward node after a view's backward``: ``forward`` and ``backward
-  node``, each timed alone right after a ``backward of a view`` call (untimed): placed as in a step, where the call
-  before the exchange is torch's own work, whose length differs between the ranks from one call to the next, and the
-  exchange waits for the slowest.
+  node``, each timed alone right after a ``backward of a view`` call (untimed; ``timed_after``): placed as in a
+  step, where the call before the exchange is torch's own work, whose length differs between the ranks from one call
+  to the next, and the exchange waits for the slowest.
 
 ``memory`` runs 10,000 forward + backward steps and reports the resident set's growth between step 1,000 and the
 last, and the plan's buffer sets: both must stay flat.
@@ -48,15 +48,13 @@ last, and the plan's buffer sets: both must stay flat.
 from __future__ import annotations
 
 import resource
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
 
 from ._report import format_figure, format_rows
-from ._timing import Loop, repeated, slowest_medians, time_interleaved, timed
+from ._timing import Loop, repeated, slowest_medians, time_interleaved, timed, timed_after
 
 __all__ = ["SERIES", "SIDES", "Exchange", "format_autograd", "measure_autograd", "measure_memory"]
 
@@ -223,25 +221,10 @@ def _series(side: int) -> tuple[dict[str, Any], Any]:
     }, plan.close
 
 
-def _timed_after(before: Callable[[], object], body: Callable[[], object]) -> Callable[[int], float]:
-    """n iterations of ``before`` then ``body``: the seconds ``body`` took."""
-
-    def iterate(n: int) -> float:
-        took = 0.0
-        for _ in range(n):
-            before()
-            start = time.perf_counter()
-            body()
-            took += time.perf_counter() - start
-        return took
-
-    return iterate
-
-
 def _loop(bodies: dict[str, Any], name: str) -> Loop:
     if name in AFTER:
         before, body = AFTER[name]
-        return Loop(_timed_after(bodies[before], bodies[body]))
+        return Loop(timed_after(bodies[before], bodies[body]))
     return Loop(timed(repeated(bodies[name])))
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from world import NEXT, PREV, RANK, SIZE, WAIT, compiled_path_open
+from world import NEXT, PREV, RANK, SIZE, WAIT, compiled_path_open, handed_to_python
 
 import tensorplay_p2p as dist
 import tensorplay_p2p.config
@@ -26,8 +26,7 @@ pytestmark = pytest.mark.mpi(min_size=1)
 compiled_only = pytest.mark.skipif(engine.accel is None, reason="the pure-Python engine has no compiled path")
 # the calls' counts where the engine's gate is open: checked mode's are counted where a test says so
 gate_open = pytest.mark.skipif(
-    watchdog.active or validate.single_threaded,
-    reason="the watchdog, or a thread level below MPI_THREAD_MULTIPLE, hands every call to Python",
+    handed_to_python(), reason="the watchdog, or a thread level below MPI_THREAD_MULTIPLE, hands every call to Python"
 )
 
 

@@ -177,9 +177,7 @@ class CollectiveWork:
 
     def __del__(self) -> None:
         if getattr(self, "_state", _FAILED) == _PENDING:  # a handle made by ``__new__`` alone has no state
-            work.dropped.append(self)  # kept alive until MPI is done with its buffers
-            if watchdog.active:  # and watched no more: a later post finishes it, and exit names it if still pending
-                watchdog.untrack(self)
+            work.drop(self)  # kept alive until MPI is done with its buffers
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the collective completes, then run its post-steps.

@@ -958,9 +958,9 @@ state_is(PyObject *value, long which)
     return value != NULL && PyLong_CheckExact(value) && PyLong_AsLong(value) == which;
 }
 
-/* A handle dropped while pending is watched no more (``watchdog.untrack``, where the watchdog is on), as the Python
- * handles' ``__del__`` leave theirs: it is finished at a later post, and named at exit if still pending then.  0, or
- * -1 with an error. */
+/* A handle dropped while pending is watched no more (``watchdog.untrack``, where the watchdog is on), as ``work.drop``
+ * leaves the Python handles: it is finished at a later post, and named at exit if still pending then.  0, or -1 with
+ * an error. */
 static int
 unwatch(PyObject *handle)
 {

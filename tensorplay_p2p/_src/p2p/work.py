@@ -39,7 +39,17 @@ if TYPE_CHECKING:
     from ..memory.buffers import Resolved
 
 
-__all__ = ["BatchWork", "Composite", "Receipt", "Work", "dropped", "finish_dropped_at_exit", "poll", "reap_dropped"]
+__all__ = [
+    "BatchWork",
+    "Composite",
+    "Receipt",
+    "Work",
+    "drop",
+    "dropped",
+    "finish_dropped_at_exit",
+    "poll",
+    "reap_dropped",
+]
 
 
 class _Fields:
@@ -118,6 +128,15 @@ def _run_after(after: Any, receipt: Receipt, error: CommunicationError | None) -
 
 dropped: list[Any] = []  # package-internal: the handles kept alive (Works, collectives), read by the posting calls
 _dropped_lock = threading.Lock()
+
+
+def drop(handle: Any, watched: Any = None) -> None:
+    """Keep ``handle``, dropped while pending, until a later post finishes it (``reap_dropped``), and end the
+    watchdog's watch of it (of ``watched``, where ``handle`` stands in for another): the exit names it if it is
+    still pending then.  The compiled engine's ``Work`` does the same in C (``work_finalize``)."""
+    dropped.append(handle)
+    if watchdog.active:
+        watchdog.untrack(handle if watched is None else watched)
 
 
 def reap_dropped() -> None:
@@ -288,9 +307,7 @@ class Work(_WorkBase):
 
     def __del__(self) -> None:
         if self._state == _PENDING and self._request:
-            dropped.append(self)  # kept alive until MPI is done with it (PEP 442: __del__ runs once)
-            if watchdog.active:  # and watched no more: a later post finishes it, and exit names it if still pending
-                watchdog.untrack(self)
+            drop(self)  # kept alive until MPI is done with it (PEP 442: __del__ runs once)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes.

@@ -38,7 +38,7 @@ from .. import errors
 from ..errors import CommunicationError, MessageSizeError
 from ..memory import buffers, devices, layouts
 from ..p2p import checked, validate
-from ..p2p.work import dropped, poll, reap_dropped
+from ..p2p.work import drop, dropped, poll, reap_dropped
 from ..process import signals, watchdog
 from ..process.groups import ProcessGroup
 from ..process.runtime import seconds
@@ -516,9 +516,7 @@ class PersistentExchange:
         if validate.single_threaded and validate.first_thread not in (None, _get_ident()):
             # released on a thread that may not call MPI (an autograd worker's, a program's own): kept, and freed by
             # the thread that may, at its next posting call or step, or at exit (PEP 442: ``__del__`` runs once)
-            dropped.append(_Released(self))
-            if watchdog.active:  # watched no more, as a dropped handle: exit names a step still in flight
-                watchdog.untrack(self)
+            drop(_Released(self), self)
             return
         self._close()
 
